@@ -1,0 +1,50 @@
+"""Comparisons used by the gate, the tests and the reports."""
+
+from __future__ import annotations
+
+import torch
+
+_INT_OF = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """torch.equal, with NaN equal to NaN: a NaN in the input must not count as a
+    kernel mismatch, but a NaN where eager has a number must."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if torch.equal(a, b):
+        return True
+    if not a.is_floating_point():
+        return False
+    a_nan, b_nan = a.isnan(), b.isnan()
+    if not torch.equal(a_nan, b_nan) or not a_nan.any():
+        return False
+    return torch.equal(a[~a_nan], b[~b_nan])
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise distance in units in the last place of the storage dtype
+    (0 for equal values, NaN pairs count 0, NaN against a number is huge)."""
+    int_dtype = _INT_OF[a.dtype]
+    bits = torch.iinfo(int_dtype).bits
+
+    def ordered(t):
+        i = t.contiguous().view(int_dtype).to(torch.int64)
+        # map sign-magnitude to a monotonic integer line (-0 and +0 both 0)
+        return torch.where(i < 0, -(i & ((1 << (bits - 1)) - 1)), i)
+
+    d = (ordered(a) - ordered(b)).abs()
+    both_nan = a.isnan() & b.isnan()
+    one_nan = a.isnan() ^ b.isnan()
+    d = torch.where(both_nan, torch.zeros_like(d), d)
+    return torch.where(one_nan, torch.full_like(d, 1 << 40), d)
+
+
+def max_ulp(a: torch.Tensor, b: torch.Tensor) -> int:
+    if a.numel() == 0:
+        return 0
+    return int(ulp_distance(a, b).max())
+
+
+def within_one_ulp(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and max_ulp(a, b) <= 1

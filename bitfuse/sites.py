@@ -1,0 +1,234 @@
+"""Sites: the adaLN entry points a model block calls.
+
+A site picks a path per call:
+- inside torch.compile tracing it returns the plain eager expression, so
+  Inductor sees ordinary ops and fuses them (an opaque op would block that);
+- with BITFUSE_DISABLE=1, likewise the eager expression;
+- otherwise the tier in force picks the kernel mode, and the first-sight gate
+  decides whether the fast path may run here.
+
+The tier in force is the one requested by an enclosing `bitfuse.quality(...)`,
+else the one mounted on the site, else "lossless".
+
+Blocks are marked as sites so that a tier can be mounted on a whole model,
+all or nothing (`mount`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import policy
+from .ops.gated_residual import gated_residual_reference, launch_gated_residual, plan_gated_residual
+from .ops.layer_norm_modulate import launch_layer_norm_modulate, plan_layer_norm_modulate
+from .ops.modulate import launch_modulate, modulate_reference, plan_modulate
+from .ops.rms_norm_modulate import launch_rms_norm_modulate, plan_rms_norm_modulate
+
+# ---------------------------------------------------------------- marking and mounting
+
+
+@dataclass
+class Site:
+    """A block's adaLN sites: its name, the norms it uses, and the tier mounted on it."""
+
+    name: str
+    norms: tuple = ()
+    tier: str | None = None
+    notes: list = field(default_factory=list)
+
+    def rejects(self, tier: str) -> str | None:
+        """Why this site can't take `tier`, or None if it can."""
+        policy.check_tier(tier)
+        if tier == "high":
+            for norm in self.norms:
+                if norm_kind(norm) is None:
+                    return f"{self.name}: no one-pass kernel for {type(norm).__name__} (affine or unrecognised norm)"
+        return None
+
+
+class MountError(RuntimeError):
+    """A tier could not be mounted on every site; none was mounted."""
+
+
+def mark_site(block: torch.nn.Module, name: str | None = None, norms=()) -> Site:
+    """Mark `block` as an adaLN site (idempotent) and return its Site."""
+    site = getattr(block, "_bitfuse_site", None)
+    if site is None:
+        site = Site(name or type(block).__name__, tuple(norms))
+        block._bitfuse_site = site
+    return site
+
+
+def unmark_site(block: torch.nn.Module) -> None:
+    block.__dict__.pop("_bitfuse_site", None)
+
+
+def sites_of(model: torch.nn.Module) -> list[Site]:
+    return [m._bitfuse_site for m in model.modules() if getattr(m, "_bitfuse_site", None) is not None]
+
+
+def mount(model: torch.nn.Module, tier: str) -> list[Site]:
+    """Mount `tier` on every marked site of `model`, or on none: if any site
+    rejects it, raise MountError with every reason and change nothing."""
+    policy.check_tier(tier)
+    sites = sites_of(model)
+    if not sites:
+        raise MountError("no bitfuse sites are marked in this model")
+    reasons = [r for r in (s.rejects(tier) for s in sites) if r]
+    if reasons:
+        raise MountError(f"cannot mount quality {tier!r}: " + "; ".join(reasons))
+    for s in sites:
+        s.tier = tier
+    return sites
+
+
+def unmount(model: torch.nn.Module) -> None:
+    for s in sites_of(model):
+        s.tier = None
+
+
+def _tier(site) -> str:
+    requested = policy._requested.get()
+    if requested is not None:
+        return requested
+    if site is not None:
+        if isinstance(site, torch.nn.Module):
+            site = getattr(site, "_bitfuse_site", None)
+        if site is not None and site.tier is not None:
+            return site.tier
+    return "lossless"
+
+
+def _plain() -> bool:
+    return policy.DISABLED or torch.compiler.is_compiling()
+
+
+# ---------------------------------------------------------------- pointwise sites
+
+
+def modulate_site(x, scale, shift, *, site=None):
+    """`x * (1 + scale) + shift`, bit-exact in the lossless tier."""
+    if _plain():
+        return x * (1 + scale) + shift
+    plan = plan_modulate(x, scale, shift)
+    if plan.__class__ is str:
+        return modulate_reference(x, scale, shift)
+    mode = "high" if _tier(site) == "high" else "exact"
+    return policy.gated("modulate", mode, plan, _launch_modulate[mode], modulate_reference, (x, scale, shift))
+
+
+def gated_residual_site(x, y, gate, *, site=None):
+    """`x + y * gate`, bit-exact in the lossless tier."""
+    if _plain():
+        return x + y * gate
+    plan = plan_gated_residual(x, y, gate)
+    if plan.__class__ is str:
+        return gated_residual_reference(x, y, gate)
+    mode = "high" if _tier(site) == "high" else "exact"
+    return policy.gated(
+        "gated_residual", mode, plan, _launch_gated_residual[mode], gated_residual_reference, (x, y, gate)
+    )
+
+
+_launch_modulate = {
+    "exact": lambda plan: launch_modulate(plan, exact=True),
+    "high": lambda plan: launch_modulate(plan, exact=False),
+}
+_launch_gated_residual = {
+    "exact": lambda plan: launch_gated_residual(plan, exact=True),
+    "high": lambda plan: launch_gated_residual(plan, exact=False),
+}
+
+# ---------------------------------------------------------------- norm + modulate sites
+
+
+def norm_kind(norm) -> str | None:
+    """Which reference a weightless norm module computes: "diffusers" (diffusers'
+    RMSNorm), "aten" (torch.nn.RMSNorm, i.e. F.rms_norm), "layer_norm"
+    (nn.LayerNorm without affine), or None for anything else."""
+    if isinstance(norm, torch.nn.LayerNorm):
+        return "layer_norm" if norm.weight is None and norm.bias is None else None
+    if isinstance(norm, torch.nn.RMSNorm):
+        return "aten" if norm.weight is None and norm.eps is not None else None
+    cls = type(norm)
+    if cls.__name__ == "RMSNorm" and cls.__module__.startswith("diffusers."):
+        return "diffusers" if getattr(norm, "weight", None) is None else None
+    return None
+
+
+def _norm_then_modulate(norm, x, scale, shift, site):
+    return modulate_site(norm(x), scale, shift, site=site)
+
+
+def rms_norm_modulate_site(block, norm, x, scale, shift, eps=None):
+    """`norm(x) * (1 + scale) + shift` for a weightless RMSNorm `norm`.
+
+    lossless: the fused kernel that reproduces the norm's reduction, once
+    verified here, else `norm(x)` then the exact modulate. high: the one-pass
+    fp32 kernel (within 1 ULP)."""
+    if _plain():
+        return norm(x) * (1 + scale) + shift
+    kind = norm_kind(norm)
+    if kind not in ("diffusers", "aten"):
+        return _norm_then_modulate(norm, x, scale, shift, block)
+    eps = norm.eps if eps is None else eps
+    mode = "high" if _tier(block) == "high" else "exact"
+    plan = plan_rms_norm_modulate(x, scale, shift, eps, kind, exact=mode == "exact")
+    if plan.__class__ is str:
+        return _norm_then_modulate(norm, x, scale, shift, block)
+    return policy.gated(
+        "rms_norm_modulate",
+        mode,
+        plan,
+        _launch_rms[mode],
+        _norm_then_modulate,
+        (norm, x, scale, shift, block),
+    )
+
+
+def layer_norm_modulate_site(block, norm, x, scale, shift, eps=None):
+    """`norm(x) * (1 + scale) + shift` for LayerNorm without affine."""
+    if _plain():
+        return norm(x) * (1 + scale) + shift
+    if norm_kind(norm) != "layer_norm":
+        return _norm_then_modulate(norm, x, scale, shift, block)
+    eps = norm.eps if eps is None else eps
+    mode = "high" if _tier(block) == "high" else "exact"
+    plan = plan_layer_norm_modulate(x, scale, shift, eps, exact=mode == "exact")
+    if plan.__class__ is str:
+        return _norm_then_modulate(norm, x, scale, shift, block)
+    return policy.gated(
+        "layer_norm_modulate",
+        mode,
+        plan,
+        _launch_ln[mode],
+        _norm_then_modulate,
+        (norm, x, scale, shift, block),
+    )
+
+
+_launch_rms = {
+    "exact": lambda plan: launch_rms_norm_modulate(plan, exact=True),
+    "high": lambda plan: launch_rms_norm_modulate(plan, exact=False),
+}
+_launch_ln = {
+    "exact": lambda plan: launch_layer_norm_modulate(plan, exact=True),
+    "high": lambda plan: launch_layer_norm_modulate(plan, exact=False),
+}
+
+__all__ = [
+    "Site",
+    "MountError",
+    "mark_site",
+    "unmark_site",
+    "sites_of",
+    "mount",
+    "unmount",
+    "modulate_site",
+    "gated_residual_site",
+    "rms_norm_modulate_site",
+    "layer_norm_modulate_site",
+    "norm_kind",
+]
