@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from .numerics import same_values, within_one_ulp
+from .numerics import same_values, within_one_ulp, within_one_ulp_at
 
 TIERS = ("lossless", "high")
 
@@ -144,9 +144,11 @@ def _record(key: tuple, status: str, detail: str = "") -> Verdict:
     return verdict
 
 
-def gated(op: str, mode: str, plan, fast: Callable, reference: Callable, args: tuple):
+def gated(op: str, mode: str, plan, fast: Callable, reference: Callable, args: tuple, magnitude=None):
     """Run `fast(plan)` if its signature is verified here, else eager `reference(*args)`,
-    verifying at first sight. `mode` is "exact" (torch.equal) or "high" (<= 1 ULP)."""
+    verifying at first sight. `mode` is "exact" (torch.equal) or "high": within one
+    ULP of eager at the scale `magnitude(*args)` of the op's terms (or of the
+    output, if no magnitude is given)."""
     key = (op, mode, plan.key)
     state = _state.get(key)
     if state is True and not VERIFY_ALWAYS:
@@ -165,10 +167,10 @@ def gated(op: str, mode: str, plan, fast: Callable, reference: Callable, args: t
     if _compiling() or _capturing():
         # no verification here: a verified path may run (above), an unverified one may not
         return reference(*args)
-    return _verify(key, plan, fast, reference, args)
+    return _verify(key, plan, fast, reference, args, magnitude)
 
 
-def _verify(key, plan, fast, reference, args):
+def _verify(key, plan, fast, reference, args, magnitude):
     with _lock:
         if _state.get(key) is False:
             return reference(*args)
@@ -180,7 +182,12 @@ def _verify(key, plan, fast, reference, args):
             _record(key, "error", f"{type(exc).__name__}: {exc}")
             return reference(*args)
         ref = reference(*args)
-        agree = same_values(out, ref) if key[1] == "exact" else within_one_ulp(out, ref)
+        if key[1] == "exact":
+            agree = same_values(out, ref)
+        elif magnitude is not None:
+            agree = within_one_ulp_at(out, ref, magnitude(*args).maximum(ref.float().abs()))
+        else:
+            agree = within_one_ulp(out, ref)
         if agree:
             if key not in _verdicts:
                 _record(key, "verified")

@@ -116,7 +116,9 @@ def modulate_site(x, scale, shift, *, site=None):
     if plan.__class__ is str:
         return modulate_reference(x, scale, shift)
     mode = "high" if _tier(site) == "high" else "exact"
-    return policy.gated("modulate", mode, plan, _launch_modulate[mode], modulate_reference, (x, scale, shift))
+    return policy.gated(
+        "modulate", mode, plan, _launch_modulate[mode], modulate_reference, (x, scale, shift), _modulate_terms
+    )
 
 
 def gated_residual_site(x, y, gate, *, site=None):
@@ -128,8 +130,27 @@ def gated_residual_site(x, y, gate, *, site=None):
         return gated_residual_reference(x, y, gate)
     mode = "high" if _tier(site) == "high" else "exact"
     return policy.gated(
-        "gated_residual", mode, plan, _launch_gated_residual[mode], gated_residual_reference, (x, y, gate)
+        "gated_residual",
+        mode,
+        plan,
+        _launch_gated_residual[mode],
+        gated_residual_reference,
+        (x, y, gate),
+        _gated_residual_terms,
     )
+
+
+def _modulate_terms(x, scale, shift):
+    """Largest term magnitude of `x * (1 + scale) + shift` (the high tier's ULP scale)."""
+    return (x.float() * (1 + scale.float())).abs().maximum(shift.float().abs())
+
+
+def _gated_residual_terms(x, y, gate):
+    return x.float().abs().maximum((y.float() * gate.float()).abs())
+
+
+def _norm_modulate_terms(norm, x, scale, shift, site):
+    return _modulate_terms(norm(x), scale, shift)
 
 
 _launch_modulate = {
@@ -185,6 +206,7 @@ def rms_norm_modulate_site(block, norm, x, scale, shift, eps=None):
         _launch_rms[mode],
         _norm_then_modulate,
         (norm, x, scale, shift, block),
+        _norm_modulate_terms,
     )
 
 
@@ -206,6 +228,7 @@ def layer_norm_modulate_site(block, norm, x, scale, shift, eps=None):
         _launch_ln[mode],
         _norm_then_modulate,
         (norm, x, scale, shift, block),
+        _norm_modulate_terms,
     )
 
 

@@ -87,23 +87,26 @@ def layout_class(strides: tuple[int, int, int], p: torch.Tensor) -> str:
     return kind if p.is_contiguous() else kind + "/strided"
 
 
-def common_device_dtype(*tensors: torch.Tensor) -> str | None:
-    """Why these operands can't share a kernel launch, or None if they can."""
-    first = tensors[0]
+def common_device_dtype(*tensors) -> str | None:
+    """Why these operands can't share one kernel launch, or None if they can.
+    Runs on every call: kept to a few cheap attribute reads."""
     for t in tensors:
         if not isinstance(t, torch.Tensor):
             return "operand is not a tensor"
-    if not first.is_cuda:
+    first = tensors[0]
+    device, dtype = first.get_device(), first.dtype
+    if device < 0:
         return "CPU tensor"
-    for t in tensors[1:]:
-        if t.device != first.device:
+    if dtype not in SUPPORTED_DTYPES:
+        return f"unsupported dtype {dtype}"
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t.get_device() != device:
             return "operands on different devices"
-        if t.dtype != first.dtype:
+        if t.dtype is not dtype:
             return "mixed dtypes (eager type promotion applies)"
-    if first.dtype not in SUPPORTED_DTYPES:
-        return f"unsupported dtype {first.dtype}"
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return "autograd needs the eager graph"
+        if grad and t.requires_grad:
+            return "autograd needs the eager graph"
     return None
 
 
@@ -111,15 +114,56 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def launch_shape(D: int, n_rows: int, elem_bytes: int) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_D, num_warps) for a streaming row-wise kernel.
+def launch_shape(D: int, S: int, elem_bytes: int) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_D, num_warps) for a streaming row-wise kernel: a program
+    covers up to 2048 columns of BLOCK_R rows of one sample, so a per-sample
+    parameter slice is loaded once per program, not once per row. Picked from
+    the sweep in bench/tune_pointwise.py on the H200."""
+    block_d = min(triton.next_power_of_2(D), 2048)
+    block_r = max(1, min(8192 // block_d, triton.next_power_of_2(S)))
+    return block_r, block_d, 8 if block_r * block_d >= 8192 else 4
 
-    Each program moves about 16 KiB of x: enough bytes in flight per SM to
-    reach the copy ceiling, few enough programs' tails at small sizes.
-    Chosen by the sweep in bench/tune_pointwise.py on the H200.
+
+class FastLaunch:
+    """Launch a Triton kernel without re-binding its arguments on every call.
+
+    `JITFunction.run` re-derives the specialization of every argument on each
+    launch (~10 us of host time for a kernel with 17 arguments). The first call
+    with a given key goes through it and keeps the compiled kernel; later calls
+    with the same key launch that kernel directly. The key holds every integer
+    argument's value and every pointer's 16-byte alignment, which determine
+    Triton's specialization, so a replayed kernel is the one Triton would pick.
     """
-    block_d = min(triton.next_power_of_2(D), 4096 // elem_bytes * 2)
-    target = 16384 // elem_bytes
-    block_r = max(1, min(target // block_d, triton.next_power_of_2(n_rows)))
-    num_warps = 8 if block_r * block_d * elem_bytes >= 16384 else 4
-    return block_r, block_d, num_warps
+
+    MAX_KEYS = 4096
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.compiled = {}
+        self.direct = _knobs is not None and not INTERPRET
+
+    def __call__(self, grid, tensors, ints, constexprs: dict, options: dict):
+        key = (tuple(t.data_ptr() % 16 == 0 for t in tensors), ints, grid, tuple(constexprs.values()),
+               tuple(options.values()), tensors[0].dtype, tensors[0].get_device())
+        k = self.compiled.get(key)
+        if k is not None and self.direct:
+            args = (*tensors, *ints, *constexprs.values())
+            stream = torch._C._cuda_getCurrentRawStream(key[-1])
+            try:
+                k.run(grid[0], grid[1], 1, stream, k.function, k.packed_metadata,
+                      k.launch_metadata(grid, stream, *args),
+                      _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook, *args)
+                return
+            except (AttributeError, TypeError):  # another Triton's launcher: use its own path
+                self.direct = False
+        k = self.fn[grid](*tensors, *ints, **constexprs, **options)
+        if k is not None and self.direct:
+            if len(self.compiled) >= self.MAX_KEYS:
+                self.compiled.clear()
+            self.compiled[key] = k
+
+
+try:
+    from triton import knobs as _knobs
+except Exception:  # pragma: no cover - older Triton: no direct launch
+    _knobs = None

@@ -12,6 +12,7 @@ import torch
 
 from ._pointwise import (
     HAS_TRITON,
+    FastLaunch,
     broadcast_strides,
     cdiv,
     common_device_dtype,
@@ -28,37 +29,46 @@ from ._pointwise import (
 @jit
 def _gated_residual_kernel(
     x_ptr, y_ptr, gate_ptr, out_ptr,
-    n_rows, S, D,
+    S, D, chunks,
     x_sb, x_ss, x_sd,
     y_sb, y_ss, y_sd,
     g_sb, g_ss, g_sd,
     EXACT: tl.constexpr,
+    GATE_PER_ROW: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    r64 = rows.to(tl.int64)
-    b = r64 // S
-    s = r64 - b * S
-    c64 = cols.to(tl.int64)
-    mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
+    # program (b * chunks + chunk, column block): BLOCK_R rows of sample b
+    pid = tl.program_id(0)
+    b = (pid // chunks).to(tl.int64)
+    s = (pid % chunks) * BLOCK_R + tl.arange(0, BLOCK_R)
+    s64 = s.to(tl.int64)
+    cols = (tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)
+    col_ok = cols < D
+    mask = (s < S)[:, None] & col_ok[None, :]
 
-    x_off = (b * x_sb + s * x_ss)[:, None] + (c64 * x_sd)[None, :]
-    y_off = (b * y_sb + s * y_ss)[:, None] + (c64 * y_sd)[None, :]
-    g_off = (b * g_sb + s * g_ss)[:, None] + (c64 * g_sd)[None, :]
-    o_off = r64[:, None] * D + c64[None, :]
-
+    x_off = (b * x_sb + s64 * x_ss)[:, None] + (cols * x_sd)[None, :]
+    y_off = (b * y_sb + s64 * y_ss)[:, None] + (cols * y_sd)[None, :]
     x = tl.load(x_ptr + x_off, mask=mask, eviction_policy="evict_first").to(tl.float32)
     y = tl.load(y_ptr + y_off, mask=mask, eviction_policy="evict_first").to(tl.float32)
-    gate = tl.load(gate_ptr + g_off, mask=mask, eviction_policy="evict_last").to(tl.float32)
+    if GATE_PER_ROW:
+        g_off = (b * g_sb + s64 * g_ss)[:, None] + (cols * g_sd)[None, :]
+        gate = tl.load(gate_ptr + g_off, mask=mask).to(tl.float32)
+    else:  # loaded once per program
+        gate = tl.load(gate_ptr + b * g_sb + cols * g_sd, mask=col_ok, eviction_policy="evict_last")
+        gate = gate.to(tl.float32)[None, :]
+
     dtype = out_ptr.dtype.element_ty
     if EXACT:
         m = (y * gate).to(dtype).to(tl.float32)
         out = x + m
     else:
         out = x + y * gate
+    o_off = ((b * S + s64) * D)[:, None] + cols[None, :]
     tl.store(out_ptr + o_off, out.to(dtype), mask=mask)
+
+
+_launch = FastLaunch(_gated_residual_kernel)
 
 
 # ---------------------------------------------------------------- launcher
@@ -92,25 +102,24 @@ def plan_gated_residual(x, y, gate) -> GatedResidualPlan | str:
     g = broadcast_strides(gate, x.shape)
     if g is None:
         return "gate does not broadcast to x's shape"
-    key = (x.dtype, x.device.index, layout_class(g, gate))
+    key = (x.dtype, x.get_device(), layout_class(g, gate))
     return GatedResidualPlan(x, y, gate, rows, rows_of(y), g, key)
 
 
-def launch_gated_residual(plan: GatedResidualPlan, exact: bool = True, config=None) -> torch.Tensor:
-    """Run the kernel for a guarded plan. `config` overrides (BLOCK_R, BLOCK_D, num_warps)."""
-    x, r, yr = plan.x, plan.rows, plan.y_rows
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    n_rows = r.B * r.S
-    block_r, block_d, num_warps = config or launch_shape(r.D, n_rows, x.element_size())
-    grid = (cdiv(n_rows, block_r), cdiv(r.D, block_d))
-    _gated_residual_kernel[grid](
-        x, plan.y, plan.gate, out,
-        n_rows, r.S, r.D,
-        r.sb, r.ss, r.sd,
-        yr.sb, yr.ss, yr.sd,
-        *plan.g_strides,
-        EXACT=exact, BLOCK_R=block_r, BLOCK_D=block_d,
-        num_warps=num_warps, enable_fp_fusion=not exact,
+def launch_gated_residual(plan: GatedResidualPlan, exact: bool = True, config=None, out=None) -> torch.Tensor:
+    """Run the kernel for a guarded plan, into `out` (contiguous, x's shape) if given.
+    `config` overrides (BLOCK_R, BLOCK_D, num_warps)."""
+    x, r, yr, g = plan.x, plan.rows, plan.y_rows, plan.g_strides
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    block_r, block_d, num_warps = config or launch_shape(r.D, r.S, x.element_size())
+    chunks = cdiv(r.S, block_r)
+    _launch(
+        (r.B * chunks, cdiv(r.D, block_d)),
+        (x, plan.y, plan.gate, out),
+        (r.S, r.D, chunks, r.sb, r.ss, r.sd, yr.sb, yr.ss, yr.sd, *g),
+        dict(EXACT=exact, GATE_PER_ROW=g[1] != 0, BLOCK_R=block_r, BLOCK_D=block_d),
+        dict(num_warps=num_warps, enable_fp_fusion=not exact),
     )
     return out
 

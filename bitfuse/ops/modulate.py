@@ -17,6 +17,7 @@ import torch
 
 from ._pointwise import (
     HAS_TRITON,
+    FastLaunch,
     broadcast_strides,
     cdiv,
     common_device_dtype,
@@ -33,30 +34,41 @@ from ._pointwise import (
 @jit
 def _modulate_kernel(
     x_ptr, scale_ptr, shift_ptr, out_ptr,
-    n_rows, S, D,
+    S, D, chunks,
     x_sb, x_ss, x_sd,
     c_sb, c_ss, c_sd,
     h_sb, h_ss, h_sd,
     EXACT: tl.constexpr,
+    SCALE_PER_ROW: tl.constexpr,
+    SHIFT_PER_ROW: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    r64 = rows.to(tl.int64)
-    b = r64 // S
-    s = r64 - b * S
-    c64 = cols.to(tl.int64)
-    mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
+    # program (b * chunks + chunk, column block): BLOCK_R rows of sample b
+    pid = tl.program_id(0)
+    b = (pid // chunks).to(tl.int64)
+    s = (pid % chunks) * BLOCK_R + tl.arange(0, BLOCK_R)
+    s64 = s.to(tl.int64)
+    cols = (tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)
+    col_ok = cols < D
+    mask = (s < S)[:, None] & col_ok[None, :]
 
-    x_off = (b * x_sb + s * x_ss)[:, None] + (c64 * x_sd)[None, :]
-    c_off = (b * c_sb + s * c_ss)[:, None] + (c64 * c_sd)[None, :]
-    h_off = (b * h_sb + s * h_ss)[:, None] + (c64 * h_sd)[None, :]
-    o_off = r64[:, None] * D + c64[None, :]
-
+    x_off = (b * x_sb + s64 * x_ss)[:, None] + (cols * x_sd)[None, :]
     x = tl.load(x_ptr + x_off, mask=mask, eviction_policy="evict_first").to(tl.float32)
-    scale = tl.load(scale_ptr + c_off, mask=mask, eviction_policy="evict_last").to(tl.float32)
-    shift = tl.load(shift_ptr + h_off, mask=mask, eviction_policy="evict_last").to(tl.float32)
+    # a parameter that doesn't vary along S is loaded once per program
+    if SCALE_PER_ROW:
+        c_off = (b * c_sb + s64 * c_ss)[:, None] + (cols * c_sd)[None, :]
+        scale = tl.load(scale_ptr + c_off, mask=mask).to(tl.float32)
+    else:
+        scale = tl.load(scale_ptr + b * c_sb + cols * c_sd, mask=col_ok, eviction_policy="evict_last")
+        scale = scale.to(tl.float32)[None, :]
+    if SHIFT_PER_ROW:
+        h_off = (b * h_sb + s64 * h_ss)[:, None] + (cols * h_sd)[None, :]
+        shift = tl.load(shift_ptr + h_off, mask=mask).to(tl.float32)
+    else:
+        shift = tl.load(shift_ptr + b * h_sb + cols * h_sd, mask=col_ok, eviction_policy="evict_last")
+        shift = shift.to(tl.float32)[None, :]
+
     dtype = out_ptr.dtype.element_ty
     if EXACT:
         t = (1.0 + scale).to(dtype).to(tl.float32)
@@ -64,7 +76,11 @@ def _modulate_kernel(
         y = p + shift
     else:
         y = x * (1.0 + scale) + shift
+    o_off = ((b * S + s64) * D)[:, None] + cols[None, :]
     tl.store(out_ptr + o_off, y.to(dtype), mask=mask)
+
+
+_launch = FastLaunch(_modulate_kernel)
 
 
 # ---------------------------------------------------------------- launcher
@@ -97,25 +113,25 @@ def plan_modulate(x, scale, shift) -> ModulatePlan | str:
     h = broadcast_strides(shift, x.shape)
     if c is None or h is None:
         return "scale/shift do not broadcast to x's shape"
-    key = (x.dtype, x.device.index, layout_class(c, scale), layout_class(h, shift))
+    key = (x.dtype, x.get_device(), layout_class(c, scale), layout_class(h, shift))
     return ModulatePlan(x, scale, shift, rows, c, h, key)
 
 
-def launch_modulate(plan: ModulatePlan, exact: bool = True, config=None) -> torch.Tensor:
-    """Run the kernel for a guarded plan. `config` overrides (BLOCK_R, BLOCK_D, num_warps)."""
+def launch_modulate(plan: ModulatePlan, exact: bool = True, config=None, out=None) -> torch.Tensor:
+    """Run the kernel for a guarded plan, into `out` (contiguous, x's shape) if given.
+    `config` overrides (BLOCK_R, BLOCK_D, num_warps)."""
     x, r = plan.x, plan.rows
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    n_rows = r.B * r.S
-    block_r, block_d, num_warps = config or launch_shape(r.D, n_rows, x.element_size())
-    grid = (cdiv(n_rows, block_r), cdiv(r.D, block_d))
-    _modulate_kernel[grid](
-        x, plan.scale, plan.shift, out,
-        n_rows, r.S, r.D,
-        r.sb, r.ss, r.sd,
-        *plan.c_strides,
-        *plan.h_strides,
-        EXACT=exact, BLOCK_R=block_r, BLOCK_D=block_d,
-        num_warps=num_warps, enable_fp_fusion=not exact,
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    block_r, block_d, num_warps = config or launch_shape(r.D, r.S, x.element_size())
+    chunks = cdiv(r.S, block_r)
+    c, h = plan.c_strides, plan.h_strides
+    _launch(
+        (r.B * chunks, cdiv(r.D, block_d)),
+        (x, plan.scale, plan.shift, out),
+        (r.S, r.D, chunks, r.sb, r.ss, r.sd, *c, *h),
+        dict(EXACT=exact, SCALE_PER_ROW=c[1] != 0, SHIFT_PER_ROW=h[1] != 0, BLOCK_R=block_r, BLOCK_D=block_d),
+        dict(num_warps=num_warps, enable_fp_fusion=not exact),
     )
     return out
 

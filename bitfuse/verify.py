@@ -1,0 +1,194 @@
+"""`bitfuse verify`: which fast paths are active here, and are they exact?
+
+For each op x dtype x parameter layout x tier, runs the fast path and eager
+on a sweep of shapes with fresh random inputs and compares them: lossless
+paths must be `torch.equal` to eager, high paths within one ULP.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from .numerics import max_ulp, same_values, within_one_ulp_at
+from .ops import gated_residual as _g  # noqa: F401  (modules, reached through sys.modules)
+from .ops import layer_norm_modulate as _ln  # noqa: F401
+from .ops import modulate as _m  # noqa: F401
+from .ops import rms_norm_modulate as _rms  # noqa: F401
+from .ops._pointwise import HAS_TRITON
+
+M = sys.modules["bitfuse.ops.modulate"]
+G = sys.modules["bitfuse.ops.gated_residual"]
+RMS = sys.modules["bitfuse.ops.rms_norm_modulate"]
+LN = sys.modules["bitfuse.ops.layer_norm_modulate"]
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+LAYOUTS = ("per-sample", "per-token", "shared", "strided")
+TIERS = {"lossless": True, "high": False}  # tier -> exact flag of the launcher
+SHAPES = [(1, 126, 2048), (2, 1031, 3072), (2, 1, 4096), (1, 6144, 4096), (2, 257, 5120)]
+QUICK_SHAPES = [(1, 126, 2048), (2, 1031, 3072), (2, 1, 4096)]
+
+EPS = 1e-6
+
+
+def _mod_terms(n, c, h):
+    return (n.float() * (1 + c.float())).abs().maximum(h.float().abs())
+
+
+def _ops():
+    """(name, make_plan(x, y, scale, shift, gate, exact), launch(plan, exact), reference(...),
+    terms(...): the magnitude of the op's largest term, the high tier's ULP scale)."""
+    return [
+        ("modulate",
+         lambda x, y, c, h, g, e: M.plan_modulate(x, c, h),
+         M.launch_modulate,
+         lambda x, y, c, h, g: M.modulate_reference(x, c, h),
+         lambda x, y, c, h, g: _mod_terms(x, c, h)),
+        ("gated_residual",
+         lambda x, y, c, h, g, e: G.plan_gated_residual(x, y, g),
+         G.launch_gated_residual,
+         lambda x, y, c, h, g: G.gated_residual_reference(x, y, g),
+         lambda x, y, c, h, g: x.float().abs().maximum((y.float() * g.float()).abs())),
+        ("rms_norm_modulate[diffusers]",
+         lambda x, y, c, h, g, e: RMS.plan_rms_norm_modulate(x, c, h, EPS, "diffusers", exact=e),
+         RMS.launch_rms_norm_modulate,
+         lambda x, y, c, h, g: RMS.rms_norm_modulate_reference(x, c, h, EPS, "diffusers"),
+         lambda x, y, c, h, g: _mod_terms(RMS.rms_norm_reference(x, EPS, "diffusers"), c, h)),
+        ("rms_norm_modulate[aten]",
+         lambda x, y, c, h, g, e: RMS.plan_rms_norm_modulate(x, c, h, EPS, "aten", exact=e),
+         RMS.launch_rms_norm_modulate,
+         lambda x, y, c, h, g: RMS.rms_norm_modulate_reference(x, c, h, EPS, "aten"),
+         lambda x, y, c, h, g: _mod_terms(RMS.rms_norm_reference(x, EPS, "aten"), c, h)),
+        ("layer_norm_modulate",
+         lambda x, y, c, h, g, e: LN.plan_layer_norm_modulate(x, c, h, EPS, exact=e),
+         LN.launch_layer_norm_modulate,
+         lambda x, y, c, h, g: LN.layer_norm_modulate_reference(x, c, h, EPS),
+         lambda x, y, c, h, g: _mod_terms(F.layer_norm(x, (x.shape[-1],), eps=EPS), c, h)),
+    ]
+
+
+def _operands(layout, B, S, D, dtype, gen):
+    x = torch.randn(B, S, D, device="cuda", dtype=dtype, generator=gen) * 2
+    y = torch.randn(B, S, D, device="cuda", dtype=dtype, generator=gen)
+    if layout == "per-sample":
+        c, h, g = (torch.randn(B, 1, D, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
+    elif layout == "per-token":
+        c, h, g = (torch.randn(B, S, D, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
+    elif layout == "shared":
+        c, h, g = (torch.randn(D, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
+    else:  # the unbind views diffusers makes of a [B, T, n, D] table
+        c, h, g = torch.randn(B, S, 6, D, device="cuda", dtype=dtype, generator=gen).unbind(2)[:3]
+    return x, y, c, h, g
+
+
+def _check(op, tier, dtype, layout, shapes, gen) -> dict:
+    name, make_plan, launch, reference, terms = op
+    exact = TIERS[tier]
+    worst, checked = 0, 0
+    for B, S, D in shapes:
+        args = _operands(layout, B, S, D, dtype, gen)
+        plan = make_plan(*args, exact)
+        if isinstance(plan, str):
+            return dict(status="eager fallback", detail=plan)
+        out = torch.full(args[0].shape, float("nan"), dtype=dtype, device="cuda")
+        try:
+            launch(plan, exact, out=out) if _takes_out(launch) else out.copy_(launch(plan, exact))
+        except Exception as exc:  # a failing kernel is a finding, not a crash
+            return dict(status="error", detail=f"{type(exc).__name__}: {exc}")
+        ref = reference(*args)
+        checked += 1
+        if exact and not same_values(out, ref):
+            return dict(status="mismatch", detail=f"{int((out != ref).sum())} of {ref.numel()} differ at "
+                                                  f"B={B} S={S} D={D}")
+        if not exact:
+            worst = max(worst, max_ulp(out, ref))
+            if not within_one_ulp_at(out, ref, terms(*args).maximum(ref.float().abs())):
+                return dict(status="mismatch", detail=f"over 1 ULP of the terms at B={B} S={S} D={D}")
+    detail = (f"{checked} shapes, torch.equal" if exact
+              else f"{checked} shapes, <= 1 ULP of the terms (max {worst} ULP of the output)")
+    return dict(status="verified", detail=detail)
+
+
+def _takes_out(launch) -> bool:
+    return "out" in launch.__code__.co_varnames[: launch.__code__.co_argcount]
+
+
+def run_checks(quick: bool = False, progress=None) -> dict:
+    """The report as a dict: versions, and one row per op x dtype x layout x tier."""
+    import importlib.metadata as md
+
+    try:
+        triton_version = md.version("triton")
+    except md.PackageNotFoundError:
+        triton_version = None
+    cuda = torch.cuda.is_available()
+    report = dict(
+        gpu=torch.cuda.get_device_name() if cuda else None,
+        capability=".".join(map(str, torch.cuda.get_device_capability())) if cuda else None,
+        torch=torch.__version__,
+        triton=triton_version,
+        python=platform.python_version(),
+        cuda=cuda,
+        paths=[],
+    )
+    shapes = QUICK_SHAPES if quick else SHAPES
+    gen = torch.Generator(device="cuda").manual_seed(0) if cuda else None
+    jobs = [(op, tier, dn, layout) for op in _ops() for tier in TIERS for dn in DTYPES for layout in LAYOUTS]
+    for i, (op, tier, dn, layout) in enumerate(jobs):
+        row = dict(op=op[0], tier=tier, dtype=dn, layout=layout)
+        if not cuda:
+            row.update(status="eager fallback", detail="no CUDA device")
+        elif not HAS_TRITON:
+            row.update(status="eager fallback", detail="triton is not installed")
+        else:
+            row.update(_check(op, tier, DTYPES[dn], layout, shapes, gen))
+        report["paths"].append(row)
+        if progress:
+            progress(i + 1, len(jobs), row)
+    return report
+
+
+def format_table(report: dict) -> str:
+    lines = [
+        f"GPU: {report['gpu'] or 'none'}" + (f" (sm_{report['capability'].replace('.', '')})" if report["capability"] else ""),
+        f"torch {report['torch']}, triton {report['triton'] or 'not installed'}, python {report['python']}",
+    ]
+    if not report["cuda"]:
+        lines.append("No CUDA device: every path runs eager PyTorch (exact by construction).")
+    head = ("op", "tier", "dtype", "layout", "status", "detail")
+    rows = [head] + [tuple(str(p[k]) for k in ("op", "tier", "dtype", "layout", "status", "detail"))
+                     for p in report["paths"]]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    for j, r in enumerate(rows):
+        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    counts = {}
+    for p in report["paths"]:
+        counts[p["status"]] = counts.get(p["status"], 0) + 1
+    lines.append("summary: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
+    return "\n".join(lines)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--quick", action="store_true", help="fewer shapes per path")
+
+
+def main(args) -> int:
+    def progress(i, n, row):
+        if not args.json and report_cuda:
+            print(f"\r[{i}/{n}] {row['op']} {row['tier']} {row['dtype']} {row['layout']}".ljust(78),
+                  end="", file=sys.stderr, flush=True)
+
+    report_cuda = torch.cuda.is_available()
+    report = run_checks(quick=args.quick, progress=progress)
+    if report_cuda and not args.json:
+        print(file=sys.stderr)
+    print(json.dumps(report, indent=1) if args.json else format_table(report))
+    bad = [p for p in report["paths"] if p["status"] in ("mismatch", "error")]
+    return 1 if bad else 0

@@ -1,0 +1,106 @@
+"""Kernel index and broadcast math under Triton's CPU interpreter, in fp32.
+
+The interpreter rounds fp32 -> bf16 by truncation, so it can't judge bf16
+exactness (the GPU tests do); in fp32 it checks every offset, mask and
+broadcast exactly. Plans are built directly: the guard sends CPU tensors to
+eager, which is right for users and wrong for this test."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+from bitfuse.ops import gated_residual as _g  # noqa: F401
+from bitfuse.ops import modulate as _m  # noqa: F401
+from bitfuse.ops._pointwise import HAS_TRITON, broadcast_strides, layout_class, rows_of
+
+M = sys.modules["bitfuse.ops.modulate"]
+G = sys.modules["bitfuse.ops.gated_residual"]
+
+pytestmark = pytest.mark.skipif(
+    not HAS_TRITON or os.environ.get("TRITON_INTERPRET") != "1", reason="needs triton's interpreter (CPU runs)"
+)
+
+SHAPES = [(1, 1, 1), (2, 7, 100), (3, 13, 257), (1, 31, 2048), (2, 5, 2240)]
+CONFIGS = [None, (1, 64, 4), (4, 32, 4), (2, 512, 4)]
+
+
+def modulate_plan(x, scale, shift):
+    return M.ModulatePlan(x, scale, shift, rows_of(x), broadcast_strides(scale, x.shape),
+                          broadcast_strides(shift, x.shape), None)
+
+
+def gated_plan(x, y, gate):
+    return G.GatedResidualPlan(x, y, gate, rows_of(x), rows_of(y), broadcast_strides(gate, x.shape), None)
+
+
+def params(layout, B, S, D, g):
+    if layout == "per-sample":
+        return [torch.randn(B, 1, D, generator=g) for _ in range(3)]
+    if layout == "per-token":
+        return [torch.randn(B, S, D, generator=g) for _ in range(3)]
+    if layout == "shared":
+        return [torch.randn(D, generator=g) for _ in range(3)]
+    if layout == "unbind":
+        return list(torch.randn(B, S, 5, D, generator=g).unbind(2))[:3]
+    if layout == "mixed":  # per-token scale, per-sample shift, shared gate
+        return [torch.randn(B, S, 4, D, generator=g).unbind(2)[1], torch.randn(B, 1, D, generator=g),
+                torch.randn(1, 1, D, generator=g)]
+    raise ValueError(layout)
+
+
+@pytest.mark.parametrize("B,S,D", SHAPES)
+@pytest.mark.parametrize("layout", ["per-sample", "per-token", "shared", "unbind", "mixed"])
+def test_fp32_exact_with_poisoned_output(B, S, D, layout):
+    g = torch.Generator().manual_seed(B * 1000 + S * 10 + D)
+    x = torch.randn(B, S, D, generator=g)
+    y = torch.randn(B, S, D, generator=g)
+    scale, shift, gate = params(layout, B, S, D, g)
+    for config in CONFIGS:
+        out = torch.full_like(x, float("nan"))
+        M.launch_modulate(modulate_plan(x, scale, shift), True, config, out=out)
+        assert torch.equal(out, x * (1 + scale) + shift), (layout, config)
+        out = torch.full_like(x, float("nan"))
+        G.launch_gated_residual(gated_plan(x, y, gate), True, config, out=out)
+        assert torch.equal(out, x + y * gate), (layout, config)
+
+
+def test_strided_operands_and_2d_x():
+    g = torch.Generator().manual_seed(7)
+    wide = torch.randn(2, 9, 140, generator=g)
+    x = wide[:, :, 20:120]  # rows of 100 inside rows of 140
+    scale = torch.randn(100, 2, generator=g)[:, 1]  # stride 2 along D
+    shift = torch.randn(2, 1, 100, generator=g)
+    y = torch.randn(9, 2, 100, generator=g).transpose(0, 1)  # batch-major view of a seq-major tensor
+    out = M.launch_modulate(modulate_plan(x, scale, shift), True, (2, 32, 4))
+    assert torch.equal(out, x * (1 + scale) + shift)
+    out = G.launch_gated_residual(gated_plan(x, y, scale), True, (2, 32, 4))
+    assert torch.equal(out, x + y * scale)
+    x2 = torch.randn(11, 100, generator=g)
+    s2 = torch.randn(11, 100, generator=g)
+    h2 = torch.randn(1, 100, generator=g)
+    assert torch.equal(M.launch_modulate(modulate_plan(x2, s2, h2), True, (4, 32, 4)), x2 * (1 + s2) + h2)
+
+
+def test_broadcast_strides_and_layout_classes():
+    x_shape = torch.Size([2, 5, 8])
+    table = torch.randn(2, 5, 6, 8)
+    view = table.unbind(2)[0]
+    assert broadcast_strides(view, x_shape) == (240, 48, 1)
+    assert layout_class((240, 48, 1), view) == "per-token/strided"
+    ps = torch.randn(2, 1, 6, 8).unbind(2)[2]
+    assert broadcast_strides(ps, x_shape) == (48, 0, 1)
+    assert layout_class((48, 0, 1), ps) == "per-sample/strided"
+    assert broadcast_strides(torch.randn(8), x_shape) == (0, 0, 1)
+    assert layout_class((0, 0, 1), torch.randn(8)) == "shared"
+    assert broadcast_strides(torch.randn(3, 1, 8), x_shape) is None
+    assert broadcast_strides(torch.randn(1, 2, 5, 8), x_shape) is None
+    assert broadcast_strides(torch.randn(5, 8), torch.Size([5, 8])) == (0, 8, 1)
+
+
+def test_guard_reasons():
+    x = torch.randn(2, 3, 8)
+    assert M.plan_modulate(x, torch.randn(8), torch.randn(8)) == "CPU tensor"
+    assert M.plan_modulate(x, 1.0, torch.randn(8)) == "operand is not a tensor"
+    assert G.plan_gated_residual(x, x, "gate") == "operand is not a tensor"
