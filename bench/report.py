@@ -1,0 +1,110 @@
+"""Write the README's results section from bench/results/*.json (never typed by hand).
+
+    python3 bench/report.py            # rewrites the block between the results markers
+    python3 bench/report.py --check    # exit 1 if the README is out of date
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "bench", "results")
+README = os.path.join(ROOT, "README.md")
+START, END = "<!-- results:start (bench/report.py writes this) -->", "<!-- results:end -->"
+
+OPS_VARIANTS = ("eager", "torch.compile", "compile+emulate", "bitfuse lossless", "bitfuse high")
+
+
+def _cell(r):
+    if r is None:
+        return ""
+    if "us" not in r:
+        return "error"
+    mark = "" if r["exact"] else " ≠"
+    return f"{r['us']:.1f} ({r['pct_ceiling']:.0f}%){mark}"
+
+
+def ops_section(path):
+    res = json.load(open(path))
+    rows = [r for r in res["rows"]]
+    lines = [
+        f"**Ops** — {res['gpu']}, torch {res['torch']}, triton {res['triton']}, {res['dtype']}, "
+        f"copy ceiling {res['copy_ceiling_tbps']:.2f} TB/s measured in the same run ({res['date']}). "
+        "µs (median), in brackets the share of the copy ceiling; ≠ marks output that is not `torch.equal` "
+        f"to eager. Source: `{os.path.relpath(path, ROOT)}`.",
+        "",
+        "| op | D | S | params | " + " | ".join(OPS_VARIANTS) + " |",
+        "|---|---|---|---|" + "---|" * len(OPS_VARIANTS),
+    ]
+    cases = []
+    for r in rows:
+        k = (r["op"], r["D"], r["S"], r["params"])
+        if k not in cases:
+            cases.append(k)
+    for k in cases:
+        cells = []
+        for v in OPS_VARIANTS:
+            cells.append(_cell(next((r for r in rows if (r["op"], r["D"], r["S"], r["params"]) == k
+                                     and r["variant"] == v), None)))
+        lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def ltx2_section(path):
+    res = json.load(open(path))
+    lines = [
+        f"**LTX-2 transformer forward** — {res.get('gpu')}, torch {res.get('torch')}, triton {res.get('triton')}, "
+        f"diffusers {res.get('diffusers')}; {res.get('config_summary', '')}. Source: `{os.path.relpath(path, ROOT)}`.",
+        "",
+        "| case | mode | ms / forward | speedup vs eager | elements differing from eager |",
+        "|---|---|---|---|---|",
+    ]
+    for case in res.get("cases", []):
+        for m in case.get("modes", []):
+            if m.get("ms") is None:
+                lines.append(f"| {case['name']} | {m['mode']} | error: {m.get('error', '')[:60]} | | |")
+                continue
+            lines.append(f"| {case['name']} | {m['mode']} | {m['ms']:.2f} | {m.get('speedup', 0):.2f}x | "
+                         f"{m.get('mismatches', '')} |")
+    return lines
+
+
+def render():
+    out = []
+    for path in sorted(glob.glob(os.path.join(RESULTS, "ops-*.json"))):
+        out += ops_section(path) + [""]
+    for path in sorted(glob.glob(os.path.join(RESULTS, "ltx2-*.json"))):
+        try:
+            out += ltx2_section(path) + [""]
+        except (KeyError, TypeError) as exc:
+            out += [f"(could not read {os.path.relpath(path, ROOT)}: {exc})", ""]
+    pngs = sorted(glob.glob(os.path.join(RESULTS, "*.png")))
+    if pngs:
+        out.append("Plots: " + ", ".join(f"[{os.path.basename(p)}]({os.path.relpath(p, ROOT)})" for p in pngs))
+    if not out:
+        out = ["No results committed yet: run the benchmarks on a GPU (see above)."]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--check", action="store_true")
+    args = ap.parse_args()
+    text = open(README).read()
+    if START not in text or END not in text:
+        sys.exit("README.md lacks the results markers")
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    new = head + START + "\n" + render() + END + tail
+    if args.check:
+        sys.exit(0 if new == text else 1)
+    open(README, "w").write(new)
+
+
+if __name__ == "__main__":
+    main()
