@@ -3,12 +3,13 @@ timed in one run on one GPU, with the copy ceiling measured in the same run.
 
     python3 bench/ops.py [--quick] [--out bench/results]
 
-Each variant: median microseconds (triton.testing.do_bench: warm-up first,
-L2 flushed before every run), achieved TB/s over the bytes the op must move
-(each input read once, the output written once), that as a percentage of the
-measured device-to-device copy ceiling, and whether its output is
-`torch.equal` to eager's. bitfuse is timed through its sites, as a model
-calls them (guard, gate and launch included). Writes ops-<gpu>.json and a PNG.
+Each variant: median device microseconds per call (bench/timing.py: warm-up
+first, CUDA-graph replay over input sets several times the L2), achieved TB/s
+over the bytes the op must move (each input read once, the output written
+once), that as a percentage of the copy ceiling measured the same way, and
+whether its output is `torch.equal` to eager's. bitfuse is called through its
+sites, as a model calls them. Host cost per call (guard, gate, launch) is
+measured separately on tiny tensors. Writes ops-<gpu>.json and a PNG.
 """
 
 from __future__ import annotations
@@ -23,34 +24,29 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
+from timing import copy_ceiling_tbps, device_us, host_us, sets_for  # noqa: E402
 
+import bitfuse.ops.modulate  # noqa: E402,F401
 from bitfuse import quality, sites  # noqa: E402
 from bitfuse.numerics import max_ulp  # noqa: E402
 
 
-def us(fn, rep=100):
-    return do_bench(fn, warmup=25, rep=rep, return_mode="median") * 1e3
-
-
-def copy_ceiling_tbps():
-    src = torch.empty(2**29, dtype=torch.bfloat16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    t = us(lambda: dst.copy_(src), rep=300)
-    return 2 * src.numel() * src.element_size() / (t * 1e-6) / 1e12
-
-
 def compiled(fn, emulate):
-    """torch.compile of `fn`; with `emulate`, Inductor keeps eager's intermediate roundings."""
-    c = torch.compile(fn, dynamic=False)
+    """torch.compile of `fn`; with `emulate`, Inductor keeps eager's intermediate roundings.
+    Each call makes its own backend, so the two variants never share a cache entry."""
+    return torch.compile(fn, dynamic=False, options={"emulate_precision_casts": emulate})
 
-    def call(*args):
-        with torch._inductor.config.patch(emulate_precision_casts=emulate):
-            return c(*args)
 
-    return call
+def allow_many_recompiles():
+    """Every shape and variant compiles the same few functions: lift Dynamo's
+    per-function cache limit so none silently falls back to eager."""
+    for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
+                 "accumulated_recompile_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 4096)
 
 
 def modulate_eager(x, c, h):
@@ -99,64 +95,96 @@ def operands(B, S, D, per_token, dtype=torch.bfloat16, seed=0):
     return x, y, c, h, gate
 
 
-def run_case(op, B, S, D, per_token, ceiling, rows, norm_refs):
-    x, y, c, h, gate = operands(B, S, D, per_token)
-    e = x.element_size()
-    full = x.numel() * e
-    param = full if per_token else B * D * e
+def make_call(op, variant, bufs, norm_refs, compiled_fns):
+    """A closure running `variant` of `op` on one input set."""
+    x, y, c, h, gate = bufs
     if op == "modulate":
-        args, eager, moved = (x, c, h), modulate_eager, 2 * full + 2 * param
-        variants = {"bitfuse lossless": lambda: sites.modulate_site(x, c, h)}
+        args, eager = (x, c, h), modulate_eager
+        site = lambda: sites.modulate_site(x, c, h)  # noqa: E731
     elif op == "gated_residual":
-        args, eager, moved = (x, y, gate), gated_eager, 3 * full + param
-        variants = {"bitfuse lossless": lambda: sites.gated_residual_site(x, y, gate)}
+        args, eager = (x, y, gate), gated_eager
+        site = lambda: sites.gated_residual_site(x, y, gate)  # noqa: E731
     else:
-        norm_fn, make_norm = norm_refs[op]
-        norm_mod = make_norm(D)
-        args, moved = (x, c, h), 2 * full + 2 * param
+        norm_fn, norm_mod = norm_refs[op]
+        args = (x, c, h)
+        norm_site = sites.layer_norm_modulate_site if op == "layer_norm+modulate" else sites.rms_norm_modulate_site
+        site = lambda: norm_site(None, norm_mod, x, c, h)  # noqa: E731
+    if variant == "eager":
+        return lambda: compiled_fns["eager"](*args)
+    if variant in ("torch.compile", "compile+emulate"):
+        return lambda: compiled_fns[variant](*args)
+    if variant == "bitfuse high":
+        def high():
+            with quality("high"):
+                return site()
+        return high
+    return site
+
+
+def run_case(op, B, S, D, per_token, ceiling, rows, norm_refs):
+    probe = operands(B, S, D, per_token)
+    e = probe[0].element_size()
+    full = probe[0].numel() * e
+    param = full if per_token else B * D * e
+    moved = {"modulate": 2 * full + 2 * param, "gated_residual": 3 * full + param}.get(op, 2 * full + 2 * param)
+    if op == "modulate":
+        eager = modulate_eager
+    elif op == "gated_residual":
+        eager = gated_eager
+    else:
+        norm_fn = norm_refs[op][0]
 
         def eager(x, c, h, norm_fn=norm_fn):
             return norm_fn(x) * (1 + c) + h
 
-        site = sites.layer_norm_modulate_site if op == "layer_norm+modulate" else sites.rms_norm_modulate_site
-
-        def lossless():
-            return site(None, norm_mod, x, c, h)
-
-        def high():
-            with quality("high"):
-                return site(None, norm_mod, x, c, h)
-
-        variants = {"bitfuse lossless": lossless, "bitfuse high": high}
-    ref = eager(*args)
-    all_variants = {
-        "eager": lambda: eager(*args),
-        "torch.compile": (lambda f: lambda: f(*args))(compiled(eager, False)),
-        "compile+emulate": (lambda f: lambda: f(*args))(compiled(eager, True)),
-        **variants,
-    }
+    variants = ["eager", "torch.compile", "compile+emulate", "bitfuse lossless"]
+    if op not in ("modulate", "gated_residual"):
+        variants.append("bitfuse high")
+        norm_refs = {k: (fn, make(D)) for k, (fn, make) in norm_refs.items()}
+    compiled_fns = {"eager": eager, "torch.compile": compiled(eager, False), "compile+emulate": compiled(eager, True)}
+    n_sets = sets_for(moved)
+    sets = [probe] + [operands(B, S, D, per_token, seed=i + 1) for i in range(n_sets - 1)]
+    ref = make_call(op, "eager", probe, norm_refs, compiled_fns)()
     floor = moved / (ceiling * 1e12) * 1e6
-    for name, fn in all_variants.items():
+    params = "per-token" if per_token else "per-sample"
+    for name in variants:
         try:
             with torch.no_grad():
-                out = fn()
+                out = make_call(op, name, probe, norm_refs, compiled_fns)()
                 torch.cuda.synchronize()
                 exact = bool(torch.equal(out, ref))
                 ulps = max_ulp(out, ref)
-                t = us(fn)
+                mismatches = int((out != ref).sum())
+                t = device_us([make_call(op, name, bufs, norm_refs, compiled_fns) for bufs in sets])
         except Exception as exc:  # record and go on: one broken variant must not hide the rest
-            rows.append(dict(op=op, B=B, S=S, D=D, params="per-token" if per_token else "per-sample",
-                             variant=name, error=f"{type(exc).__name__}: {exc}"[:300]))
-            print(f"  {name}: ERROR {exc}")
+            rows.append(dict(op=op, B=B, S=S, D=D, params=params, variant=name,
+                             error=f"{type(exc).__name__}: {exc}"[:300]))
+            print(f"  {op} D={D} S={S} {params} {name}: ERROR {exc}")
             continue
         tbps = moved / (t * 1e-6) / 1e12
-        row = dict(op=op, B=B, S=S, D=D, params="per-token" if per_token else "per-sample", variant=name,
+        row = dict(op=op, B=B, S=S, D=D, params=params, variant=name,
                    us=round(t, 2), tbps=round(tbps, 3), pct_ceiling=round(100 * tbps / ceiling, 1),
-                   floor_us=round(floor, 2), exact=exact, max_ulp=ulps,
-                   mismatches=int((out != ref).sum()))
+                   floor_us=round(floor, 2), exact=exact, max_ulp=ulps, mismatches=mismatches)
         rows.append(row)
-        print(f"  {op:22s} D={D:5d} S={S:6d} {row['params']:10s} {name:18s} {t:8.1f} us "
+        print(f"  {op:28s} D={D:5d} S={S:6d} {params:10s} {name:18s} {t:8.1f} us "
               f"{row['pct_ceiling']:5.1f}% exact={exact}")
+    del sets, probe
+    torch.cuda.empty_cache()
+
+
+def host_costs():
+    """Microseconds of host time per call on tiny tensors (the GPU keeps up)."""
+    x, y, c, h, gate = operands(1, 8, 64, False)
+    sys_mod = sys.modules["bitfuse.ops.modulate"]
+    plan = sys_mod.plan_modulate(x, c, h)
+    return {
+        "eager x*(1+scale)+shift (3 ops)": host_us(lambda: x * (1 + c) + h),
+        "eager x+y*gate (2 ops)": host_us(lambda: x + y * gate),
+        "bitfuse modulate_site": host_us(lambda: sites.modulate_site(x, c, h)),
+        "bitfuse gated_residual_site": host_us(lambda: sites.gated_residual_site(x, y, gate)),
+        "bitfuse launch only (planned)": host_us(lambda: sys_mod.launch_modulate(plan)),
+        "torch.ops.bitfuse.modulate (torch.library)": host_us(lambda: torch.ops.bitfuse.modulate(x, c, h)),
+    }
 
 
 def plot(result, path):
@@ -205,10 +233,13 @@ def main():
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/ops.py needs a CUDA GPU")
-    torch.backends.cuda.matmul.allow_tf32 = False
+    allow_many_recompiles()
     ceiling = copy_ceiling_tbps()
     gpu = torch.cuda.get_device_name()
     print(f"{gpu}, torch {torch.__version__}, triton {triton.__version__}, copy ceiling {ceiling:.3f} TB/s")
+    host = host_costs()
+    for k, v in host.items():
+        print(f"host {k:45s} {v:6.1f} us/call")
     rows = []
     skip = set(filter(None, args.skip.split(",")))
     pointwise = [(D, S) for D in (4096, 2048) for S in (1024, 6144, 24576)]
@@ -238,7 +269,8 @@ def main():
                   torch=torch.__version__, triton=triton.__version__,
                   bitfuse=md.version("bitfuse") if _installed("bitfuse") else "source",
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  dtype="bfloat16", copy_ceiling_tbps=round(ceiling, 3), method=__doc__.strip(), rows=rows)
+                  dtype="bfloat16", copy_ceiling_tbps=round(ceiling, 3), method=__doc__.strip(),
+                  host_us={k: round(v, 2) for k, v in host.items()}, rows=rows)
     slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"ops-{slug}.json")

@@ -109,35 +109,24 @@ def _plain() -> bool:
 
 
 def modulate_site(x, scale, shift, *, site=None):
-    """`x * (1 + scale) + shift`, bit-exact in the lossless tier."""
+    """`x * (1 + scale) + shift`, bit-exact in every tier (a memory-bound op gains
+    nothing from fewer roundings). `site` is accepted for symmetry with the norm sites."""
     if _plain():
         return x * (1 + scale) + shift
     plan = plan_modulate(x, scale, shift)
     if plan.__class__ is str:
         return modulate_reference(x, scale, shift)
-    mode = "high" if _tier(site) == "high" else "exact"
-    return policy.gated(
-        "modulate", mode, plan, _launch_modulate[mode], modulate_reference, (x, scale, shift), _modulate_terms
-    )
+    return policy.gated("modulate", "exact", plan, launch_modulate, modulate_reference, (x, scale, shift))
 
 
 def gated_residual_site(x, y, gate, *, site=None):
-    """`x + y * gate`, bit-exact in the lossless tier."""
+    """`x + y * gate`, bit-exact in every tier."""
     if _plain():
         return x + y * gate
     plan = plan_gated_residual(x, y, gate)
     if plan.__class__ is str:
         return gated_residual_reference(x, y, gate)
-    mode = "high" if _tier(site) == "high" else "exact"
-    return policy.gated(
-        "gated_residual",
-        mode,
-        plan,
-        _launch_gated_residual[mode],
-        gated_residual_reference,
-        (x, y, gate),
-        _gated_residual_terms,
-    )
+    return policy.gated("gated_residual", "exact", plan, launch_gated_residual, gated_residual_reference, (x, y, gate))
 
 
 def _modulate_terms(x, scale, shift):
@@ -145,22 +134,10 @@ def _modulate_terms(x, scale, shift):
     return (x.float() * (1 + scale.float())).abs().maximum(shift.float().abs())
 
 
-def _gated_residual_terms(x, y, gate):
-    return x.float().abs().maximum((y.float() * gate.float()).abs())
-
-
 def _norm_modulate_terms(norm, x, scale, shift, site):
     return _modulate_terms(norm(x), scale, shift)
 
 
-_launch_modulate = {
-    "exact": lambda plan: launch_modulate(plan, exact=True),
-    "high": lambda plan: launch_modulate(plan, exact=False),
-}
-_launch_gated_residual = {
-    "exact": lambda plan: launch_gated_residual(plan, exact=True),
-    "high": lambda plan: launch_gated_residual(plan, exact=False),
-}
 
 # ---------------------------------------------------------------- norm + modulate sites
 

@@ -59,10 +59,10 @@ def test_fp32_exact_with_poisoned_output(B, S, D, layout):
     scale, shift, gate = params(layout, B, S, D, g)
     for config in CONFIGS:
         out = torch.full_like(x, float("nan"))
-        M.launch_modulate(modulate_plan(x, scale, shift), True, config, out=out)
+        M.launch_modulate(modulate_plan(x, scale, shift), config, out=out)
         assert torch.equal(out, x * (1 + scale) + shift), (layout, config)
         out = torch.full_like(x, float("nan"))
-        G.launch_gated_residual(gated_plan(x, y, gate), True, config, out=out)
+        G.launch_gated_residual(gated_plan(x, y, gate), config, out=out)
         assert torch.equal(out, x + y * gate), (layout, config)
 
 
@@ -73,14 +73,14 @@ def test_strided_operands_and_2d_x():
     scale = torch.randn(100, 2, generator=g)[:, 1]  # stride 2 along D
     shift = torch.randn(2, 1, 100, generator=g)
     y = torch.randn(9, 2, 100, generator=g).transpose(0, 1)  # batch-major view of a seq-major tensor
-    out = M.launch_modulate(modulate_plan(x, scale, shift), True, (2, 32, 4))
+    out = M.launch_modulate(modulate_plan(x, scale, shift), (2, 32, 4))
     assert torch.equal(out, x * (1 + scale) + shift)
-    out = G.launch_gated_residual(gated_plan(x, y, scale), True, (2, 32, 4))
+    out = G.launch_gated_residual(gated_plan(x, y, scale), (2, 32, 4))
     assert torch.equal(out, x + y * scale)
     x2 = torch.randn(11, 100, generator=g)
     s2 = torch.randn(11, 100, generator=g)
     h2 = torch.randn(1, 100, generator=g)
-    assert torch.equal(M.launch_modulate(modulate_plan(x2, s2, h2), True, (4, 32, 4)), x2 * (1 + s2) + h2)
+    assert torch.equal(M.launch_modulate(modulate_plan(x2, s2, h2), (4, 32, 4)), x2 * (1 + s2) + h2)
 
 
 def test_broadcast_strides_and_layout_classes():

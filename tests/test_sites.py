@@ -31,8 +31,14 @@ def fake_kernels(monkeypatch):
     state = {}
     monkeypatch.setattr(sites, "plan_modulate", lambda x, c, h: (state.update(ref=lambda: x * (1 + c) + h), FakePlan())[1])
     monkeypatch.setattr(sites, "plan_gated_residual", lambda x, y, g: (state.update(ref=lambda: x + y * g), FakePlan())[1])
-    monkeypatch.setattr(sites, "_launch_modulate", {m: fake("modulate", lambda: state["ref"]())(m) for m in ("exact", "high")})
-    monkeypatch.setattr(sites, "_launch_gated_residual", {m: fake("gated_residual", lambda: state["ref"]())(m) for m in ("exact", "high")})
+    monkeypatch.setattr(sites, "plan_rms_norm_modulate",
+                        lambda x, c, h, eps, kind, exact: (state.update(ref=lambda: state["norm"](x) * (1 + c) + h),
+                                                           FakePlan())[1])
+    monkeypatch.setattr(sites, "_launch_rms", {m: fake("rms_norm_modulate", lambda: state["ref"]())(m)
+                                               for m in ("exact", "high")})
+    state["norm"] = torch.nn.RMSNorm(8, eps=1e-6, elementwise_affine=False)
+    monkeypatch.setattr(sites, "launch_modulate", fake("modulate", lambda: state["ref"]())("exact"))
+    monkeypatch.setattr(sites, "launch_gated_residual", fake("gated_residual", lambda: state["ref"]())("exact"))
     return calls
 
 
@@ -43,17 +49,16 @@ def _operands():
     return x, scale, shift, gate
 
 
-def test_sites_use_the_gated_fast_path_with_the_tier_in_force(fake_kernels):
+def test_pointwise_sites_use_the_gated_exact_kernel_in_every_tier(fake_kernels):
     x, scale, shift, gate = _operands()
     assert torch.equal(sites.modulate_site(x, scale, shift), x * (1 + scale) + shift)
     assert torch.equal(sites.gated_residual_site(x, x, gate), x + x * gate)
     with bitfuse.quality("high"):
         sites.modulate_site(x, scale, shift)
         sites.gated_residual_site(x, x, gate)
-    assert fake_kernels == [("modulate", "exact"), ("gated_residual", "exact"),
-                            ("modulate", "high"), ("gated_residual", "high")]
-    assert {(v.op, v.mode) for v in bitfuse.verdicts()} == {
-        ("modulate", "exact"), ("gated_residual", "exact"), ("modulate", "high"), ("gated_residual", "high")}
+    assert fake_kernels == [("modulate", "exact"), ("gated_residual", "exact")] * 2
+    assert {(v.op, v.mode, v.status) for v in bitfuse.verdicts()} == {
+        ("modulate", "exact", "verified"), ("gated_residual", "exact", "verified")}
 
 
 def test_sites_emit_the_plain_expression_while_compiling(fake_kernels, monkeypatch):
@@ -116,14 +121,15 @@ def test_mount_is_all_or_nothing():
 
 def test_tier_resolution_request_over_mount_over_default(fake_kernels):
     x, scale, shift, _ = _operands()
-    block = Block(torch.nn.LayerNorm(8, elementwise_affine=False))
-    site = sites.mark_site(block, "b")
-    sites.modulate_site(x, scale, shift, site=block)
+    norm = torch.nn.RMSNorm(8, eps=1e-6, elementwise_affine=False)
+    block = Block(norm)
+    site = sites.mark_site(block, "b", norms=(norm,))
+    sites.rms_norm_modulate_site(block, norm, x, scale, shift)
     site.tier = "high"
-    sites.modulate_site(x, scale, shift, site=block)
+    sites.rms_norm_modulate_site(block, norm, x, scale, shift)
     with bitfuse.quality("lossless"):
-        sites.modulate_site(x, scale, shift, site=block)
-    assert [m for _, m in fake_kernels] == ["exact", "high", "exact"]
+        sites.rms_norm_modulate_site(block, norm, x, scale, shift)
+    assert [m for op, m in fake_kernels if op == "rms_norm_modulate"] == ["exact", "high", "exact"]
 
 
 def test_mounted_model_serves_concurrent_requests_without_leaking(fake_kernels):
@@ -135,7 +141,9 @@ def test_mounted_model_serves_concurrent_requests_without_leaking(fake_kernels):
         with bitfuse.quality(tier):
             barrier.wait()
             before = len(fake_kernels)
-            sites.modulate_site(x, scale, shift)
+            norm = torch.nn.RMSNorm(8, eps=1e-6, elementwise_affine=False)
+            with torch.no_grad():
+                sites.rms_norm_modulate_site(None, norm, x, scale, shift)
             modes[name] = tier
             barrier.wait()
             assert len(fake_kernels) > before
@@ -145,7 +153,7 @@ def test_mounted_model_serves_concurrent_requests_without_leaking(fake_kernels):
         t.start()
     for t in threads:
         t.join()
-    assert sorted(m for _, m in fake_kernels) == ["exact", "high"]
+    assert sorted(m for op, m in fake_kernels if op == "rms_norm_modulate") == ["exact", "high"]
 
 
 def test_norm_kinds():

@@ -1,8 +1,8 @@
 """Gated residual: `x + y * gate`.
 
-Exact mode reproduces eager's two roundings (after the product, after the
-sum) with FMA contraction off; high mode is one FMA with one rounding.
-`x` and `y` have the output's shape; `gate` broadcasts like an adaLN
+The kernel reproduces eager's two roundings (after the product, after the
+sum) with FMA contraction off; as for modulate, every tier gets the exact
+result. `x` and `y` have the output's shape; `gate` broadcasts like an adaLN
 parameter (per-sample, per-token, shared, strided views).
 """
 
@@ -33,7 +33,6 @@ def _gated_residual_kernel(
     x_sb, x_ss, x_sd,
     y_sb, y_ss, y_sd,
     g_sb, g_ss, g_sd,
-    EXACT: tl.constexpr,
     GATE_PER_ROW: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -59,11 +58,8 @@ def _gated_residual_kernel(
         gate = gate.to(tl.float32)[None, :]
 
     dtype = out_ptr.dtype.element_ty
-    if EXACT:
-        m = (y * gate).to(dtype).to(tl.float32)
-        out = x + m
-    else:
-        out = x + y * gate
+    m = (y * gate).to(dtype).to(tl.float32)  # eager: y * gate
+    out = x + m  # eager: x + m
     o_off = ((b * S + s64) * D)[:, None] + cols[None, :]
     tl.store(out_ptr + o_off, out.to(dtype), mask=mask)
 
@@ -106,7 +102,7 @@ def plan_gated_residual(x, y, gate) -> GatedResidualPlan | str:
     return GatedResidualPlan(x, y, gate, rows, rows_of(y), g, key)
 
 
-def launch_gated_residual(plan: GatedResidualPlan, exact: bool = True, config=None, out=None) -> torch.Tensor:
+def launch_gated_residual(plan: GatedResidualPlan, config=None, out=None) -> torch.Tensor:
     """Run the kernel for a guarded plan, into `out` (contiguous, x's shape) if given.
     `config` overrides (BLOCK_R, BLOCK_D, num_warps)."""
     x, r, yr, g = plan.x, plan.rows, plan.y_rows, plan.g_strides
@@ -118,18 +114,18 @@ def launch_gated_residual(plan: GatedResidualPlan, exact: bool = True, config=No
         (r.B * chunks, cdiv(r.D, block_d)),
         (x, plan.y, plan.gate, out),
         (r.S, r.D, chunks, r.sb, r.ss, r.sd, yr.sb, yr.ss, yr.sd, *g),
-        dict(EXACT=exact, GATE_PER_ROW=g[1] != 0, BLOCK_R=block_r, BLOCK_D=block_d),
-        dict(num_warps=num_warps, enable_fp_fusion=not exact),
+        dict(GATE_PER_ROW=g[1] != 0, BLOCK_R=block_r, BLOCK_D=block_d),
+        dict(num_warps=num_warps, enable_fp_fusion=False),
     )
     return out
 
 
-def gated_residual(x, y, gate, *, exact: bool = True) -> torch.Tensor:
+def gated_residual(x, y, gate) -> torch.Tensor:
     """Guarded, ungated: the kernel where eligible, else the eager reference."""
     plan = plan_gated_residual(x, y, gate)
     if isinstance(plan, str):
         return gated_residual_reference(x, y, gate)
-    return launch_gated_residual(plan, exact)
+    return launch_gated_residual(plan)
 
 
 # ---------------------------------------------------------------- torch.library

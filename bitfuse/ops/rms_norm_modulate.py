@@ -1,22 +1,441 @@
-"""Weightless RMSNorm + adaLN modulation (placeholder: kernels land with the norm issue)."""
+"""Weightless RMSNorm + adaLN modulation: `rms_norm(x) * (1 + scale) + shift`.
+
+Two references, two reduction orders (`reference=`):
+
+"diffusers" -- diffusers' RMSNorm without weight:
+    v = x.to(float32).pow(2).mean(-1, keepdim=True)
+    n = (x * torch.rsqrt(v + eps)).to(x.dtype)
+"aten" -- `F.rms_norm(x, (D,), eps=eps)`, aten's fused `_fused_rms_norm` kernel
+    (torch >= 2.9; earlier versions run it as composite ops).
+
+Both then run eager's modulate: three roundings, bf16(1+scale), bf16(n*t),
+bf16(p+shift) (for fp16 likewise; for fp32 they are no-ops).
+
+Exact mode (`exact=True`) reproduces the reference bit for bit, which means
+reproducing its reduction ORDER and every rounding. Kernels launch with
+`enable_fp_fusion=False`; every FMA the reference's nvcc build contracts is
+written as an explicit `tl.fma`, every other product and sum is rounded.
+
+Order reproduced for "diffusers" (the mean is `reduce_kernel<MeanOps<float>>`
+from aten/src/ATen/native/cuda/Reduce.cuh on the fresh contiguous fp32 tensor
+`x.float().pow(2)`, rows of D elements, N = number of rows):
+  * setReduceConfig<float, float, vt0=4, input_vec_size=4>: the reduction is on
+    the fastest dimension, so input is vectorised (float4) and
+    dim0 = D/4, dim1 = N; set_block_dimension (512 threads at most) gives
+    block_width bw = min(lp2(D/4) capped at 512, 512 / bh) and
+    block_height bh = min(lp2(N), 16): bw = 32 for N >= 16, and 64, 128, 256,
+    512 for N in [8,16), [4,8), [2,4), 1 (lp2 = largest power of 2 <= n).
+  * input_vectorized_thread_reduce_impl: lane t of a row loads the float4
+    vectors t, t+bw, t+2bw, ... and keeps FOUR accumulators, one per position
+    in the vector, each a serial fp32 sum starting from 0; then combines them
+    ((a0 + a1) + a2) + a3.
+  * block_x_reduce: for bw > 32 a shared-memory halving tree, v[t] += v[t+o]
+    for o = bw/2 ... 32; then a warp shuffle-down tree. Its direction depends
+    on the torch build: recent CUDA builds use decreasing offsets 16, 8, ... 1
+    (pairs (t, t+16) first); ROCm/fbcode and older builds increasing offsets
+    1, 2, ... 16 (adjacent pairs first). Both are implemented (`WARP_INC`);
+    the default is the one measured on the H200 with torch 2.11 (see
+    bench/explore_norm.py and bench/results/norm_explore.md).
+  * MeanOps::project: mean = sum * factor, factor = float(N) / float(N*D)
+    computed on the host in fp32 (= fl(1/D) whenever N*D is exact in fp32).
+  * `variance + eps`: one fp32 add; torch.rsqrt: CUDA `rsqrtf`
+    (rsqrt.approx.f32, the same MUFU instruction Triton's rsqrt emits);
+    `x * r`: one fp32 product, rounded to x's dtype.
+  Falls back (plan returns a reason) when D % 4 != 0 (misaligned rows take the
+  unaligned-head path), D < 256 (the vectorise threshold differs between torch
+  versions), or when aten would split a row across warps or CTAs
+  (values per thread >= min(16*bh, 256), i.e. D > 8160 for N >= 16): those
+  add a block_y / global reduction whose order changed between versions.
+
+Order reproduced for "aten" (layer_norm_kernel.cu, vectorized_layer_norm_kernel
+with rms_norm=true, 128 threads per row as (32, 4), one row per block):
+  * thread t (= 32*warp + lane) reads float4 vectors t, t+128, ... and keeps ONE
+    accumulator: s = fma(v, v, s) for the 4 values of each vector in order
+    (nvcc contracts `sigma2 + val*val`; for bf16/fp16 inputs v*v is exact so
+    this equals a rounded add);
+  * warp shuffle-down with offsets 16, 8, 4, 2, 1 (fixed in that file);
+  * across the 4 warps: (w0 + w2) + (w1 + w3);
+  * sigma2 / float(D) (IEEE division), rsqrtf(sigma2 + eps), out = rstd * x
+    rounded once to x's dtype.
+  Falls back when D % 4 != 0 or a contiguous x is not 4-element aligned (aten
+  then takes RowwiseMomentsCUDAKernel, another order), or torch < 2.9.
+
+Both exact kernels keep the row in registers (KEEP: x read once); D is a
+compile-time constant; rows wider than MAX_D take the reference.
+
+High mode (`exact=False`) is one pass in fp32: x read once, sum of squares in
+any order, one rounding at the end (FMA contraction allowed). It is within one
+ULP of the reference except where `n*(1+scale)` and `shift` nearly cancel (the
+reference's own intermediate roundings are then worth more than one ULP of the
+result); the gate verifies it at first sight.
+"""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ._pointwise import (
+    HAS_TRITON,
+    INTERPRET,
+    broadcast_strides,
+    cdiv,
+    common_device_dtype,
+    jit,
+    layout_class,
+    rows_of,
+    tl,
+    triton,
+)
 from .modulate import modulate_reference
 
-
-def plan_rms_norm_modulate(x, scale, shift, eps: float, reference: str, exact: bool = True):
-    return "fused RMSNorm + modulate kernel not built yet"
+REFERENCES = ("diffusers", "aten")
 
 
-def launch_rms_norm_modulate(plan, exact: bool = True) -> torch.Tensor:
-    raise NotImplementedError
+def _row_kernel(fn):
+    """`triton.jit` without specialising on the row count (one compile for every S)."""
+    return triton.jit(fn, do_not_specialize=["n_rows", "S"]) if HAS_TRITON else fn
+
+MAX_D = 16384  # exact kernels unroll the row; wider rows take the reference
+
+# Reduction-order choices measured on the device (bench/explore_norm.py). The
+# launcher reads them at call time so a device script can try the others.
+WARP_INC = False  # diffusers mean: warp shuffle offsets decreasing (16..1)
+RSQRT_ASM = False  # True: inline `rsqrt.approx.f32`; False: libdevice rsqrt
+KEEP = True  # exact kernels keep the row in registers (False: read x twice)
+
+
+# ---------------------------------------------------------------- kernels
+
+
+@jit
+def _rsqrt(x, ASM: tl.constexpr):
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "rsqrt.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return tl.math.rsqrt(x)
+
+
+@_row_kernel
+def _rms_norm_modulate_exact_kernel(
+    x_ptr, scale_ptr, shift_ptr, out_ptr,
+    n_rows, S,
+    x_sb, x_ss,
+    c_sb, c_ss, c_sd,
+    h_sb, h_ss, h_sd,
+    eps, factor, fD,
+    D: tl.constexpr,
+    REF: tl.constexpr,  # 0: diffusers (MeanOps reduce), 1: aten (_fused_rms_norm)
+    LANES: tl.constexpr,  # threads sharing a row in the reference kernel
+    XSTEPS: tl.constexpr,  # shared-memory halving steps before the warp tree (diffusers)
+    WARP_INC: tl.constexpr,
+    KEEP: tl.constexpr,
+    RSQRT_ASM: tl.constexpr,
+    R: tl.constexpr,
+):
+    NV: tl.constexpr = D // 4
+    NJ: tl.constexpr = (NV + LANES - 1) // LANES
+    CH: tl.constexpr = 4 * LANES
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    r64 = rows.to(tl.int64)
+    b = r64 // S
+    s = r64 - b * S
+    rmask = rows < n_rows
+    lane = tl.arange(0, LANES)
+    within = (lane * 4)[:, None] + tl.arange(0, 4)[None, :]  # [LANES, 4]
+    x_base = (b * x_sb + s * x_ss)[:, None, None]
+    c_base = (b * c_sb + s * c_ss)[:, None, None]
+    h_base = (b * h_sb + s * h_ss)[:, None, None]
+    o_base = (r64 * D)[:, None, None]
+    dtype = out_ptr.dtype.element_ty
+
+    # pass 1: per-thread serial accumulation, in the reference's thread order
+    if REF == 0:
+        acc = tl.zeros([R, LANES, 4], tl.float32)
+    else:
+        acc = tl.zeros([R, LANES], tl.float32)
+    xs = ()
+    for j in tl.static_range(NJ):
+        col = (j * CH + within)[None, :, :]
+        m = rmask[:, None, None] & ((j * LANES + lane) < NV)[None, :, None]
+        xc = tl.load(x_ptr + (x_base + col), mask=m, other=0.0, eviction_policy="evict_last")
+        if KEEP:
+            xs = xs + (xc,)
+        xf = xc.to(tl.float32)
+        if REF == 0:
+            acc = acc + xf * xf
+        else:
+            ev, od = tl.split(tl.reshape(xf, [R, LANES, 2, 2]))
+            e0, e2 = tl.split(ev)
+            e1, e3 = tl.split(od)
+            acc = tl.fma(e0, e0, acc)
+            acc = tl.fma(e1, e1, acc)
+            acc = tl.fma(e2, e2, acc)
+            acc = tl.fma(e3, e3, acc)
+
+    # the reference's combine tree
+    if REF == 0:
+        ev, od = tl.split(tl.reshape(acc, [R, LANES, 2, 2]))
+        a0, a2 = tl.split(ev)
+        a1, a3 = tl.split(od)
+        v = ((a0 + a1) + a2) + a3  # [R, LANES]
+        for i in tl.static_range(XSTEPS):  # shared-memory halving: (t, t + o)
+            v = tl.sum(tl.reshape(v, [R, 2, LANES >> (i + 1)]), axis=1)
+        for i in tl.static_range(5):  # warp shuffle-down
+            if WARP_INC:
+                v = tl.sum(tl.reshape(v, [R, 16 >> i, 2]), axis=2)
+            else:
+                v = tl.sum(tl.reshape(v, [R, 2, 16 >> i]), axis=1)
+        total = tl.reshape(v, [R])
+        mean = total * factor
+        r = _rsqrt(mean + eps, RSQRT_ASM)
+    else:
+        v = tl.reshape(acc, [R, 4, 32])
+        for i in tl.static_range(5):
+            v = tl.sum(tl.reshape(v, [R, 4, 2, 16 >> i]), axis=2)
+        v = tl.sum(tl.reshape(v, [R, 2, 2]), axis=1)  # (w0 + w2, w1 + w3)
+        total = tl.sum(v, axis=1)
+        r = _rsqrt(tl.math.div_rn(total, fD) + eps, RSQRT_ASM)
+    r3 = r[:, None, None]
+
+    # pass 2: normalise, modulate with eager's three roundings, store
+    for j in tl.static_range(NJ):
+        col = (j * CH + within)[None, :, :]
+        m = rmask[:, None, None] & ((j * LANES + lane) < NV)[None, :, None]
+        if KEEP:
+            xc = xs[j]
+        else:
+            xc = tl.load(x_ptr + (x_base + col), mask=m, other=0.0, eviction_policy="evict_first")
+        n = (xc.to(tl.float32) * r3).to(dtype).to(tl.float32)
+        scale = tl.load(scale_ptr + (c_base + col * c_sd), mask=m, other=0.0).to(tl.float32)
+        shift = tl.load(shift_ptr + (h_base + col * h_sd), mask=m, other=0.0).to(tl.float32)
+        t = (1.0 + scale).to(dtype).to(tl.float32)
+        p = (n * t).to(dtype).to(tl.float32)
+        tl.store(out_ptr + (o_base + col), (p + shift).to(dtype), mask=m)
+
+
+@_row_kernel
+def _rms_norm_modulate_high_kernel(
+    x_ptr, scale_ptr, shift_ptr, out_ptr,
+    n_rows, S, D,
+    x_sb, x_ss,
+    c_sb, c_ss, c_sd,
+    h_sb, h_ss, h_sd,
+    eps, inv_d,
+    R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    r64 = rows.to(tl.int64)
+    b = r64 // S
+    s = r64 - b * S
+    cols = tl.arange(0, BLOCK_D)
+    m = (rows < n_rows)[:, None] & (cols < D)[None, :]
+    x = tl.load(
+        x_ptr + ((b * x_sb + s * x_ss)[:, None] + cols[None, :]), mask=m, other=0.0,
+        eviction_policy="evict_first",
+    ).to(tl.float32)
+    r = tl.math.rsqrt(tl.sum(x * x, axis=1) * inv_d + eps)
+    scale = tl.load(scale_ptr + ((b * c_sb + s * c_ss)[:, None] + cols[None, :] * c_sd), mask=m, other=0.0)
+    shift = tl.load(shift_ptr + ((b * h_sb + s * h_ss)[:, None] + cols[None, :] * h_sd), mask=m, other=0.0)
+    y = (x * r[:, None]) * (1.0 + scale.to(tl.float32)) + shift.to(tl.float32)
+    tl.store(out_ptr + ((r64 * D)[:, None] + cols[None, :]), y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+# ---------------------------------------------------------------- launcher
+
+
+def _last_pow2(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def mean_reduce_config(D: int, N: int) -> tuple[int, str | None]:
+    """aten's setReduceConfig for `mean(-1)` of a contiguous fp32 [N, D] tensor
+    (vt0 = input_vec_size = 4, 512 threads, 32-lane warps): the block width
+    (threads sharing a row) and None, or 0 and why its order is not reproduced."""
+    if D % 4:
+        return 0, f"D={D} is not a multiple of 4 (aten's unaligned-head path)"
+    if D < 256:
+        return 0, f"D={D} < 256 (aten's vectorise threshold differs between versions)"
+    max_threads = 512
+    dim0 = D // 4
+    dim0_p2 = _last_pow2(dim0) if dim0 < max_threads else max_threads
+    dim1_p2 = _last_pow2(N) if N < max_threads else max_threads
+    bw = min(dim0_p2, 32)
+    bh = min(dim1_p2, max_threads // bw)
+    bw = min(dim0_p2, max_threads // bh)
+    values_per_thread = cdiv(D, bw)
+    if values_per_thread >= min(bh * 16, 256):
+        if bh > 1 or values_per_thread >= 256:
+            return 0, (
+                f"aten splits rows of D={D} (N={N}) across warps or CTAs "
+                f"(block {bw}x{bh}, {values_per_thread} values a thread): order not reproduced"
+            )
+    return bw, None
+
+
+def mean_factor(N: int, D: int) -> float:
+    """MeanOps' factor: float(num_outputs) / numel, in fp32 as on the host."""
+    return float(np.float32(N) / np.float32(N * D))
+
+
+def _torch_at_least(major: int, minor: int) -> bool:
+    parts = torch.__version__.split("+")[0].split(".")
+    return (int(parts[0]), int(parts[1])) >= (major, minor)
+
+
+class RMSNormModulatePlan:
+    """A call that passed the guard: operands, geometry, reduction order, gate key."""
+
+    __slots__ = ("x", "scale", "shift", "rows", "c_strides", "h_strides", "eps", "reference",
+                 "lanes", "factor", "key")
+
+    def __init__(self, x, scale, shift, rows, c_strides, h_strides, eps, reference, lanes, factor, key):
+        self.x, self.scale, self.shift = x, scale, shift
+        self.rows, self.c_strides, self.h_strides = rows, c_strides, h_strides
+        self.eps, self.reference = eps, reference
+        self.lanes, self.factor, self.key = lanes, factor, key
+
+
+def _check_operands(x, scale, shift, *, cpu_ok=False):
+    """Shared guard: (rows, c_strides, h_strides) or a reason string."""
+    if not HAS_TRITON:
+        return "triton is not installed"
+    why = common_device_dtype(x, scale, shift)
+    if why and not (cpu_ok and why == "CPU tensor"):
+        return why
+    rows = rows_of(x)
+    if rows is None:
+        return f"x must be 2-D or 3-D, got {x.dim()}-D"
+    if x.numel() == 0:
+        return "empty tensor"
+    if rows.sd != 1:
+        return "x's last dimension is not contiguous"
+    c = broadcast_strides(scale, x.shape)
+    h = broadcast_strides(shift, x.shape)
+    if c is None or h is None:
+        return "scale/shift do not broadcast to x's shape"
+    return rows, c, h
+
+
+def plan_rms_norm_modulate(x, scale, shift, eps, reference, exact: bool = True):
+    """The guard: a plan for the kernel, or the reason the call takes the reference."""
+    return _plan(x, scale, shift, eps, reference, exact)
+
+
+def _plan(x, scale, shift, eps, reference, exact, cpu_ok=False):
+    if reference not in REFERENCES:
+        return f"unknown RMSNorm reference {reference!r}"
+    checked = _check_operands(x, scale, shift, cpu_ok=cpu_ok)
+    if isinstance(checked, str):
+        return checked
+    rows, c, h = checked
+    D, N = rows.D, rows.B * rows.S
+    lanes, factor = 128, 0.0
+    if exact:
+        if D > MAX_D:
+            return f"D={D} > {MAX_D}: row too wide for the register-resident exact kernel"
+        if reference == "diffusers":
+            lanes, why = mean_reduce_config(D, N)
+            if why:
+                return why
+            factor = mean_factor(N, D)
+        else:
+            if D % 4:
+                return f"D={D} is not a multiple of 4 (aten takes RowwiseMomentsCUDAKernel)"
+            if x.is_contiguous() and x.data_ptr() % (4 * x.element_size()):
+                return "x is not 4-element aligned (aten takes RowwiseMomentsCUDAKernel)"
+            if not _torch_at_least(2, 9):
+                return "torch < 2.9 runs F.rms_norm as composite ops"
+    elif D > MAX_D:
+        return f"D={D} > {MAX_D}: row too wide for the one-pass kernel"
+    key = (x.dtype, x.device.index, layout_class(c, scale), layout_class(h, shift),
+           reference, f"D={D}", f"lanes={lanes}")
+    return RMSNormModulatePlan(x, scale, shift, rows, c, h, float(eps), reference, lanes, factor, key)
+
+
+def exact_launch_shape(plan, elem_bytes: int) -> tuple[int, int]:
+    """(R, num_warps) for the exact kernel: rows per program and warps."""
+    if plan.lanes >= 128:
+        return 1, 4
+    return 1, 1
+
+
+def launch_rms_norm_modulate(plan, exact: bool = True, config=None) -> torch.Tensor:
+    """Run the kernel for a guarded plan. `config` overrides
+    (R, num_warps, keep) in exact mode, (R, num_warps) in high mode."""
+    x, r = plan.x, plan.rows
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    n_rows = r.B * r.S
+    if exact:
+        if config:
+            R, num_warps, keep = (tuple(config) + (True,))[:3]
+        else:
+            (R, num_warps), keep = exact_launch_shape(plan, x.element_size()), KEEP
+        lanes = plan.lanes
+        _rms_norm_modulate_exact_kernel[(cdiv(n_rows, R),)](
+            x, plan.scale, plan.shift, out,
+            n_rows, r.S, r.sb, r.ss,
+            *plan.c_strides, *plan.h_strides,
+            plan.eps, plan.factor, float(r.D),
+            D=r.D, REF=0 if plan.reference == "diffusers" else 1,
+            LANES=lanes, XSTEPS=max(lanes.bit_length() - 1 - 5, 0),
+            WARP_INC=WARP_INC, KEEP=keep, RSQRT_ASM=RSQRT_ASM and not INTERPRET, R=R,
+            num_warps=num_warps, enable_fp_fusion=False,
+        )
+    else:
+        block_d = triton.next_power_of_2(r.D)
+        R, num_warps = config or high_launch_shape(block_d, n_rows, x.element_size())
+        _rms_norm_modulate_high_kernel[(cdiv(n_rows, R),)](
+            x, plan.scale, plan.shift, out,
+            n_rows, r.S, r.D, r.sb, r.ss,
+            *plan.c_strides, *plan.h_strides,
+            plan.eps, 1.0 / r.D,
+            R=R, BLOCK_D=block_d, num_warps=num_warps,
+        )
+    return out
+
+
+def high_launch_shape(block_d: int, n_rows: int, elem_bytes: int) -> tuple[int, int]:
+    """(R, num_warps) for the one-pass kernels: about 8 KiB of x a program."""
+    R = max(1, min(8192 // (block_d * elem_bytes), triton.next_power_of_2(n_rows)))
+    num_warps = max(1, min(8, R * block_d * elem_bytes // 2048))
+    return R, num_warps
+
+
+def rms_norm_modulate(x, scale, shift, eps: float, reference: str, *, exact: bool = True) -> torch.Tensor:
+    """Guarded, ungated: the kernel where eligible, else the eager reference."""
+    plan = plan_rms_norm_modulate(x, scale, shift, eps, reference, exact)
+    if isinstance(plan, str):
+        return rms_norm_modulate_reference(x, scale, shift, eps, reference)
+    return launch_rms_norm_modulate(plan, exact)
+
+
+# ---------------------------------------------------------------- torch.library
+
+
+@torch.library.custom_op("bitfuse::rms_norm_modulate", mutates_args=())
+def rms_norm_modulate_op(
+    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float, reference: str
+) -> torch.Tensor:
+    """Opaque op for torch.compile graphs and capture (exact mode; eager callers
+    launch directly: this boundary costs tens of microseconds a call)."""
+    return rms_norm_modulate(x, scale, shift, eps, reference)
+
+
+@rms_norm_modulate_op.register_fake
+def _(x, scale, shift, eps, reference):
+    return rms_norm_modulate_reference(x, scale, shift, eps, reference)
+
+
+# ---------------------------------------------------------------- reference
 
 
 def rms_norm_reference(x, eps: float, reference: str) -> torch.Tensor:
+    """The norm as the models write it: diffusers' RMSNorm, or aten's F.rms_norm."""
     if reference == "aten":
         return F.rms_norm(x, (x.shape[-1],), eps=eps)
     variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)

@@ -1,0 +1,590 @@
+"""Device exploration for the norm + modulate kernels (H200, torch 2.11, triton 3.6).
+
+One invocation does everything, in phases, and ends with a summary table:
+  A. torch-level emulation of aten's reduction orders (no Triton): which warp
+     order aten's MeanOps reduce uses on this build, and the _fused_rms_norm order;
+  1. variant discovery (parallel worker processes): warp order, rsqrt flavour,
+     Welford FMA contractions, register-resident rows (KEEP);
+  2. correctness sweep with the chosen variants (parallel workers; they also
+     warm the Triton cache for phase 3): exact == torch.equal to the reference,
+     high within one ULP (histogram), NaN-poisoned outputs, every param layout;
+  3. timing at 4096 x 6144 bf16 (triton.testing.do_bench, median).
+
+    cd <repo> && PYTHONPATH=$PWD python3 bench/explore_norm.py [--out DIR] [--quick]
+
+Workers: `--worker TASKS.json RESULT.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+import zlib
+from collections import Counter
+
+import torch
+
+T0 = time.time()
+DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def log(*a):
+    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+# ---------------------------------------------------------------- inputs
+
+
+DEV = os.environ.get("EXPLORE_DEVICE", "cuda")  # "cpu": smoke test under TRITON_INTERPRET=1
+
+
+def make_inputs(spec):
+    dev = DEV
+    seed = zlib.crc32(json.dumps(spec, sort_keys=True).encode())
+    g = torch.Generator(device=dev).manual_seed(seed)
+    dtype = DT[spec["dtype"]]
+    B, S, D = spec["B"], spec["S"], spec["D"]
+    x = torch.randn(B, S, D, generator=g, device=dev)
+    kind = spec.get("kind", "randn")
+    if kind == "mixed":
+        rk = torch.randint(0, 6, (B, S, 1), generator=g, device=dev)
+        x = torch.where(rk == 1, x * 1e3, x)  # large magnitude
+        x = torch.where(rk == 2, 3.0 + 1e-2 * x, x)  # tiny variance
+        x = torch.where(rk == 3, x[..., :1].expand_as(x), x)  # constant row
+        x = torch.where(rk == 4, 10.0 + x, x)  # offset mean
+        x = torch.where(rk == 5, x * 1e-3, x)  # small magnitude
+    x = x.to(dtype)
+    layout = spec.get("layout", "ps_strided")
+    amp = spec.get("amp", 0.5)
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=g, device=dev) * amp).to(dtype)
+
+    if layout == "ps_strided":
+        tab = rnd(B, 1, 6, D)
+        shift, scale = tab[:, :, 0], tab[:, :, 1]
+    elif layout == "pt_strided":
+        tab = rnd(B, S, 6, D)
+        shift, scale = tab[:, :, 0], tab[:, :, 1]
+    elif layout == "ps":
+        scale, shift = rnd(B, 1, D), rnd(B, 1, D)
+    elif layout == "pt":
+        scale, shift = rnd(B, S, D), rnd(B, S, D)
+    elif layout == "shared":
+        scale, shift = rnd(D), rnd(D)
+    else:
+        raise ValueError(layout)
+    if spec.get("x2d"):
+        x = x.reshape(B * S, D)
+        if scale.dim() == 3:
+            scale, shift = scale.reshape(-1, D), shift.reshape(-1, D)
+            if scale.shape[0] != B * S:
+                scale, shift = scale[:1], shift[:1]
+    if spec.get("xview") == "slice":  # non-dense rows: a view into a wider buffer
+        buf = torch.empty(*x.shape[:-1], D + 64, device=dev, dtype=dtype)
+        buf[..., :D] = x
+        x = buf[..., :D]
+    if spec.get("xview") == "misaligned":
+        buf = torch.empty(x.numel() + 1, device=dev, dtype=dtype)
+        buf[1:] = x.reshape(-1)
+        x = buf[1:].view(x.shape)
+    return x, scale, shift
+
+
+# ---------------------------------------------------------------- one check
+
+
+_DEFAULTS = {}
+
+
+def set_flags(flags):
+    """Reset every variant flag to the module default, then apply `flags`."""
+    from bitfuse.ops import layer_norm_modulate as lnm
+    from bitfuse.ops import rms_norm_modulate as rms
+
+    if not _DEFAULTS:
+        for name in ("WARP_INC", "RSQRT_ASM", "KEEP"):
+            _DEFAULTS["rms." + name] = getattr(rms, name)
+        for name in ("WELFORD_FMA", "MEAN_V", "SIG_FMA", "RSQRT_ASM", "KEEP"):
+            _DEFAULTS["ln." + name] = getattr(lnm, name)
+    for k, v in {**_DEFAULTS, **(flags or {})}.items():
+        mod, name = k.split(".")
+        setattr(rms if mod == "rms" else lnm, name, v)
+
+
+def run_task(spec):
+    from bitfuse.numerics import same_values, ulp_distance
+    from bitfuse.ops import layer_norm_modulate as lnm
+    from bitfuse.ops import rms_norm_modulate as rms
+
+    set_flags(spec.get("flags"))
+    x, scale, shift = make_inputs(spec)
+    eps = spec.get("eps", 1e-6)
+    exact = spec.get("exact", True)
+    op, ref = spec["op"], spec.get("ref")
+    cpu = DEV == "cpu"
+    if op == "rms":
+        plan = rms._plan(x, scale, shift, eps, ref, exact, cpu_ok=cpu)
+        launch = rms.launch_rms_norm_modulate
+        reference = lambda: rms.rms_norm_modulate_reference(x, scale, shift, eps, ref)  # noqa: E731
+    else:
+        plan = lnm._plan(x, scale, shift, eps, exact, cpu_ok=cpu)
+        launch = lnm.launch_layer_norm_modulate
+        reference = lambda: lnm.layer_norm_modulate_reference(x, scale, shift, eps)  # noqa: E731
+    res = {"tag": spec["tag"]}
+    if isinstance(plan, str):
+        res["reason"] = plan
+        return res
+    res["key"] = str(plan.key)
+    cfg = spec.get("config")
+    poison = torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device)
+    del poison  # the caching allocator hands this block to the kernel's output
+    t = time.time()
+    out = launch(plan, exact, config=tuple(cfg) if cfg else None)
+    if not cpu:
+        torch.cuda.synchronize()
+    res["first_s"] = round(time.time() - t, 2)
+    if spec.get("warm_only"):
+        return res
+    with torch.no_grad():
+        expect = reference()
+    d = ulp_distance(out, expect)
+    res["equal"] = bool(same_values(out, expect))
+    res["mismatch"] = int((d > 0).sum())
+    res["max_ulp"] = int(d.max())
+    res["numel"] = out.numel()
+    res["nan_out"] = int(out.isnan().sum()) - int(expect.isnan().sum())
+    res["hist"] = torch.bincount(d.clamp(max=4).flatten(), minlength=5).tolist()
+    if not exact:  # how far each is from the exactly rounded value (fp64 norm + modulate)
+        x64 = x.double()
+        if op == "rms":
+            n64 = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+        else:
+            c = x64 - x64.mean(-1, keepdim=True)
+            n64 = c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + eps)
+        ex = (n64 * (1 + scale.double()) + shift.double()).to(out.dtype)
+        de, dh = ulp_distance(expect, ex), ulp_distance(out, ex)
+        res["eager_vs_exact"] = torch.bincount(de.clamp(max=4).flatten(), minlength=5).tolist()
+        res["high_vs_exact"] = torch.bincount(dh.clamp(max=4).flatten(), minlength=5).tolist()
+    if res["mismatch"] and exact:
+        bad_rows = (d > 0).reshape(-1, x.shape[-1]).any(-1).nonzero().flatten()
+        res["bad_rows"] = int(bad_rows.numel())
+        res["rows"] = int(out.numel() // x.shape[-1])
+    return res
+
+
+def worker(tasks_file, out_file):
+    tasks = json.load(open(tasks_file))
+    results = []
+    deadline = float(os.environ.get("EXPLORE_DEADLINE", "1e18"))
+    for spec in tasks:
+        if time.time() > deadline:
+            results.append({"tag": spec["tag"], "error": "skipped: deadline"})
+            continue
+        try:
+            results.append(run_task(spec))
+        except Exception as exc:  # record and go on
+            results.append({"tag": spec["tag"], "error": f"{type(exc).__name__}: {str(exc)[:300]}",
+                            "tb": traceback.format_exc()[-800:]})
+        json.dump(results, open(out_file, "w"))
+    json.dump(results, open(out_file, "w"))
+
+
+def run_parallel(tasks, nproc, outdir, name, budget_s):
+    """Shard `tasks` over `nproc` worker processes; return {tag: result}."""
+    shards = [[] for _ in range(nproc)]
+    # spread the expensive compiles: round robin in the given order
+    for i, t in enumerate(tasks):
+        shards[i % nproc].append(t)
+    procs = []
+    env = dict(os.environ, EXPLORE_DEADLINE=str(time.time() + budget_s))
+    for i, sh in enumerate(shards):
+        if not sh:
+            continue
+        tf = os.path.join(outdir, f"{name}_tasks{i}.json")
+        rf = os.path.join(outdir, f"{name}_res{i}.json")
+        json.dump(sh, open(tf, "w"))
+        procs.append((subprocess.Popen([sys.executable, __file__, "--worker", tf, rf], env=env,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT), rf))
+    out = {}
+    for p, rf in procs:
+        try:
+            txt, _ = p.communicate(timeout=budget_s + 30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            txt = b"(killed)"
+        if p.returncode:
+            log(f"worker {rf} rc={p.returncode}: {txt.decode()[-1500:]}")
+        if os.path.exists(rf):
+            for r in json.load(open(rf)):
+                out[r["tag"]] = r
+    return out
+
+
+# ---------------------------------------------------------------- phase A: torch emulation
+
+
+def phase_a():
+    from bitfuse.ops.rms_norm_modulate import mean_factor, mean_reduce_config
+
+    lines = []
+
+    def emu_mean(sq, bw, inc):
+        N, D = sq.shape
+        NV = D // 4
+        NJ = -(-NV // bw)
+        v = torch.zeros(N, NJ * bw, 4, device=sq.device)
+        v[:, :NV] = sq.view(N, NV, 4)
+        v = v.view(N, NJ, bw, 4)
+        acc = torch.zeros(N, bw, 4, device=sq.device)
+        for j in range(NJ):
+            acc = acc + v[:, j]
+        a = ((acc[..., 0] + acc[..., 1]) + acc[..., 2]) + acc[..., 3]
+        w = bw
+        while w > 32:
+            a = a[:, : w // 2] + a[:, w // 2: w]
+            w //= 2
+        if inc:
+            while a.shape[1] > 1:
+                a = a[:, 0::2] + a[:, 1::2]
+        else:
+            while a.shape[1] > 1:
+                h = a.shape[1] // 2
+                a = a[:, :h] + a[:, h:]
+        return a[:, 0] * mean_factor(N, D)
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for dt in ("bf16", "fp32"):
+        for D in (256, 1000, 2048, 3072, 4096, 5120, 8192):
+            for N in (1, 2, 3, 5, 8, 13, 16, 100, 6144):
+                x = (torch.randn(N, D, generator=g, device="cuda") * 3).to(DT[dt])
+                sq = x.to(torch.float32).pow(2)
+                actual = sq.mean(-1)
+                bw, why = mean_reduce_config(D, N)
+                bw_used = bw or 32
+                r = {}
+                for inc in (False, True):
+                    r["inc" if inc else "dec"] = int((emu_mean(sq, bw_used, inc) != actual).sum())
+                r["div"] = int((sq.sum(-1) / D != actual).sum())
+                lines.append(("mean", dt, D, N, bw, why is None, r["dec"], r["inc"]))
+    # aten _fused_rms_norm
+    arows = []
+    for dt in ("bf16", "fp16", "fp32"):
+        for D in (256, 1000, 2048, 3072, 4096, 5120):
+            for N in (1, 7, 2000):
+                x = (torch.randn(N, D, generator=g, device="cuda") * 2).to(DT[dt])
+                xf = x.float()
+                NV = D // 4
+                NJ = -(-NV // 128)
+                v = torch.zeros(N, NJ * 128, 4, device="cuda")
+                v[:, :NV] = xf.view(N, NV, 4)
+                v = v.view(N, NJ, 128, 4)
+                acc = torch.zeros(N, 128, device="cuda", dtype=torch.float64 if dt == "fp32" else torch.float32)
+                for j in range(NJ):
+                    for e in range(4):
+                        if dt == "fp32":  # fma(v, v, s) via float64 (exact product)
+                            acc = (acc + v[:, j, :, e].double() ** 2).float().double()
+                        else:
+                            acc = acc + v[:, j, :, e] ** 2
+                acc = acc.float()
+                a = acc.view(N, 4, 32)
+                while a.shape[2] > 1:
+                    h = a.shape[2] // 2
+                    a = a[:, :, :h] + a[:, :, h:]
+                w = a[:, :, 0]
+                res = {}
+                for name, total in (("(w0+w2)+(w1+w3)", (w[:, 0] + w[:, 2]) + (w[:, 1] + w[:, 3])),
+                                    ("(w0+w1)+(w2+w3)", (w[:, 0] + w[:, 1]) + (w[:, 2] + w[:, 3]))):
+                    r = torch.rsqrt(total / D + 1e-6)
+                    n = (xf * r[:, None]).to(x.dtype)
+                    res[name] = int((n != torch.nn.functional.rms_norm(x, (D,), eps=1e-6)).sum())
+                arows.append(("aten_rms", dt, D, N, res))
+    return lines, arows
+
+
+# ---------------------------------------------------------------- task lists
+
+
+def discovery_tasks():
+    tasks = []
+    base = dict(dtype="bf16", B=2, S=1031, kind="mixed", layout="ps_strided", exact=True)
+    for inc in (False, True):
+        for D in (3072, 4096):
+            tasks.append(dict(base, op="rms", ref="diffusers", D=D, tag=f"disc/rmsd/D{D}/inc{int(inc)}",
+                              flags={"rms.WARP_INC": inc}))
+    for D in (4096,):
+        tasks.append(dict(base, op="rms", ref="diffusers", D=D, B=1, S=5, tag=f"disc/rmsd/D{D}/N5/inc0",
+                          flags={"rms.WARP_INC": False}))
+        tasks.append(dict(base, op="rms", ref="diffusers", D=D, B=1, S=5, tag=f"disc/rmsd/D{D}/N5/inc1",
+                          flags={"rms.WARP_INC": True}))
+    tasks.append(dict(base, op="rms", ref="diffusers", D=4096, tag="disc/rmsd/asm", flags={"rms.RSQRT_ASM": True}))
+    tasks.append(dict(base, op="rms", ref="aten", D=3072, tag="disc/rmsa/D3072"))
+    tasks.append(dict(base, op="rms", ref="aten", D=3072, tag="disc/rmsa/asm", flags={"rms.RSQRT_ASM": True}))
+    tasks.append(dict(base, op="rms", ref="diffusers", D=4096, tag="disc/rmsd/reload", config=[1, 1, False]))
+    for wf in (True, False):
+        for mv in (0, 1, 2):
+            for sf in (True, False):
+                tasks.append(dict(base, op="ln", D=3072, tag=f"disc/ln/wf{int(wf)}/mv{mv}/sf{int(sf)}",
+                                  flags={"ln.WELFORD_FMA": wf, "ln.MEAN_V": mv, "ln.SIG_FMA": sf}))
+    tasks.append(dict(base, op="ln", D=5120, tag="disc/ln5120/wf1/mv0/sf1",
+                      flags={"ln.WELFORD_FMA": True, "ln.MEAN_V": 0, "ln.SIG_FMA": True}))
+    tasks.append(dict(base, op="ln", D=5120, tag="disc/ln5120/wf1/mv1/sf1",
+                      flags={"ln.WELFORD_FMA": True, "ln.MEAN_V": 1, "ln.SIG_FMA": True}))
+    return tasks
+
+
+TIMING_CONFIGS = {
+    ("rms", "diffusers"): [[1, 1, True], [2, 2, True], [1, 2, True], [1, 1, False]],
+    ("rms", "aten"): [[1, 4, True], [2, 8, True], [1, 2, True], [1, 4, False]],
+    ("ln", None): [[1, 4, True], [2, 8, True], [1, 2, True], [1, 4, False]],
+    ("high", None): [[1, 4], [1, 8], [2, 8], [1, 2]],
+}
+
+
+def sweep_tasks(flags, quick=False):
+    tasks = []
+
+    def add(**kw):
+        kw.setdefault("flags", flags)
+        tasks.append(kw)
+
+    ops = [("rms", "diffusers"), ("rms", "aten"), ("ln", None)]
+    # timing-shape warm-ups first (they are compiled again nowhere else)
+    for op, ref in ops:
+        for cfg in TIMING_CONFIGS[(op, ref)]:
+            add(op=op, ref=ref, dtype="bf16", B=1, S=6144, D=4096, layout="ps_strided", kind="randn",
+                exact=True, config=cfg, tag=f"time-check/{op}/{ref}/{cfg}")
+        for cfg in TIMING_CONFIGS[("high", None)]:
+            add(op=op, ref=ref, dtype="bf16", B=1, S=6144, D=4096, layout="ps_strided", kind="randn",
+                exact=False, config=cfg, tag=f"time-check/{op}/{ref}/high/{cfg}")
+    dts = ("bf16", "fp16") if not quick else ("bf16",)
+    for dt in dts:
+        for D in (2048, 3072, 4096, 5120):
+            for op, ref in ops:
+                for exact in (True, False):
+                    add(op=op, ref=ref, dtype=dt, B=2, S=1031, D=D, layout="ps_strided", kind="mixed",
+                        exact=exact, tag=f"sweep/{op}/{ref}/{dt}/D{D}/{'exact' if exact else 'high'}")
+    for op, ref in ops:
+        for lay, B, S, extra in (("pt_strided", 2, 257, {}), ("ps", 1, 4099, {}), ("shared", 1, 33, {}),
+                                 ("pt", 2, 61, {}), ("shared", 3, 17, {"x2d": True}),
+                                 ("ps_strided", 2, 97, {"xview": "slice"}),
+                                 ("ps_strided", 1, 8, {"xview": "misaligned"}),
+                                 ("ps_strided", 1, 6144, {"kind": "randn"}),
+                                 ("ps_strided", 2, 101, {"eps": 1e-5})):
+            for dt in ("bf16", "fp16"):
+                spec = dict(op=op, ref=ref, dtype=dt, B=B, S=S, D=4096, layout=lay, kind="mixed", exact=True,
+                            tag=f"layout/{op}/{ref}/{dt}/{lay}/B{B}S{S}/{json.dumps(extra)}")
+                spec.update(extra)
+                add(**spec)
+        for N in (1, 2, 3, 5, 9):
+            for D in (3072, 4096):
+                add(op=op, ref=ref, dtype="bf16", B=1, S=N, D=D, layout="ps_strided", kind="mixed", exact=True,
+                    tag=f"smallN/{op}/{ref}/D{D}/N{N}")
+        for D in (256, 1000, 1024):
+            add(op=op, ref=ref, dtype="bf16", B=2, S=333, D=D, layout="ps_strided", kind="mixed", exact=True,
+                tag=f"oddD/{op}/{ref}/D{D}")
+        add(op=op, ref=ref, dtype="fp32", B=2, S=1031, D=4096, layout="ps_strided", kind="mixed", exact=True,
+            tag=f"fp32/{op}/{ref}/D4096")
+        add(op=op, ref=ref, dtype="bf16", B=1, S=16, D=8192, layout="ps_strided", kind="mixed", exact=True,
+            tag=f"wide/{op}/{ref}/D8192")
+    return tasks
+
+
+# ---------------------------------------------------------------- phase 3: timing
+
+
+def phase_timing(flags):
+    from triton.testing import do_bench
+
+    from bitfuse.ops import layer_norm_modulate as lnm
+    from bitfuse.ops import modulate as mod
+    from bitfuse.ops import rms_norm_modulate as rms
+
+    set_flags(flags)
+    rows = []
+    spec = dict(dtype="bf16", B=1, S=6144, D=4096, layout="ps_strided", kind="randn")
+    x, scale, shift = make_inputs(spec)
+    eps = 1e-6
+
+    def bench(name, fn):
+        try:
+            fn()
+            torch.cuda.synchronize()
+            us = do_bench(fn, warmup=20, rep=200, return_mode="median") * 1e3
+            rows.append((name, round(us, 1)))
+            log(f"time {name}: {us:.1f} us")
+        except Exception as exc:
+            rows.append((name, f"ERR {type(exc).__name__}: {str(exc)[:120]}"))
+            log(f"time {name}: ERR {exc}")
+
+    bench("copy floor (x.clone())", lambda: x.clone())
+    bench("eager modulate", lambda: mod.modulate_reference(x, scale, shift))
+    with torch.no_grad():
+        bench("eager diffusers RMSNorm + modulate", lambda: rms.rms_norm_modulate_reference(x, scale, shift, eps, "diffusers"))
+        bench("eager F.rms_norm + modulate", lambda: rms.rms_norm_modulate_reference(x, scale, shift, eps, "aten"))
+        bench("eager F.layer_norm + modulate", lambda: lnm.layer_norm_modulate_reference(x, scale, shift, eps))
+        bench("eager F.rms_norm alone", lambda: torch.nn.functional.rms_norm(x, (4096,), eps=eps))
+        bench("eager x.float().pow(2).mean(-1)", lambda: x.float().pow(2).mean(-1, keepdim=True))
+    for (op, ref), cfgs in TIMING_CONFIGS.items():
+        if op == "high":
+            continue
+        if op == "rms":
+            plan = rms.plan_rms_norm_modulate(x, scale, shift, eps, ref, True)
+            launch = rms.launch_rms_norm_modulate
+            hplan = rms.plan_rms_norm_modulate(x, scale, shift, eps, ref, False)
+        else:
+            plan = lnm.plan_layer_norm_modulate(x, scale, shift, eps, True)
+            launch = lnm.launch_layer_norm_modulate
+            hplan = lnm.plan_layer_norm_modulate(x, scale, shift, eps, False)
+        for cfg in cfgs:
+            bench(f"exact {op}/{ref} cfg={cfg}", lambda: launch(plan, True, config=tuple(cfg)))
+        bench(f"exact {op}/{ref} default", lambda: launch(plan, True))
+        for cfg in TIMING_CONFIGS[("high", None)]:
+            bench(f"high {op}/{ref} cfg={cfg}", lambda: launch(hplan, False, config=tuple(cfg)))
+        bench(f"high {op}/{ref} default", lambda: launch(hplan, False))
+    return rows
+
+
+# ---------------------------------------------------------------- main
+
+
+def choose(disc, log_lines):
+    """Pick the variant flags from the discovery results."""
+    flags = {}
+
+    def ok(tag):
+        r = disc.get(tag, {})
+        return r.get("equal") is True
+
+    inc_ok = [ok(f"disc/rmsd/D{D}/inc1") and ok(f"disc/rmsd/D4096/N5/inc1") for D in (3072, 4096)]
+    dec_ok = [ok(f"disc/rmsd/D{D}/inc0") and ok(f"disc/rmsd/D4096/N5/inc0") for D in (3072, 4096)]
+    flags["rms.WARP_INC"] = bool(all(inc_ok) and not all(dec_ok))
+    log_lines.append(f"diffusers warp order: dec ok={dec_ok} inc ok={inc_ok} -> WARP_INC={flags['rms.WARP_INC']}")
+    best = None
+    for wf in (True, False):
+        for mv in (0, 1, 2):
+            for sf in (True, False):
+                if ok(f"disc/ln/wf{int(wf)}/mv{mv}/sf{int(sf)}") and best is None:
+                    best = (wf, mv, sf)
+    if best:
+        flags.update({"ln.WELFORD_FMA": best[0], "ln.MEAN_V": best[1], "ln.SIG_FMA": best[2]})
+    log_lines.append(f"layer norm FMA variant chosen: {best}")
+    keep_broken = "error" in disc.get("disc/rmsd/D4096/inc0", {}) and ok("disc/rmsd/reload")
+    if keep_broken:
+        flags["rms.KEEP"] = False
+        flags["ln.KEEP"] = False
+    log_lines.append(f"KEEP broken: {keep_broken}")
+    return flags
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--worker", nargs=2)
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/explore_norm"))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--nproc", type=int, default=14)
+    ap.add_argument("--skip-a", action="store_true")
+    ap.add_argument("--flags", default=None, help="JSON flags: skip discovery")
+    args = ap.parse_args()
+    if args.worker:
+        worker(*args.worker)
+        return
+    os.makedirs(args.out, exist_ok=True)
+    log(f"torch {torch.__version__}, GPU {torch.cuda.get_device_name()}")
+    import triton
+
+    log(f"triton {triton.__version__}")
+    summary = []
+    if not args.skip_a:
+        lines, arows = phase_a()
+        byd = {}
+        for (_, dt, D, N, bw, supported, dec, inc) in lines:
+            byd.setdefault((dt, D), []).append(f"N{N}:bw{bw}{'' if supported else '(fb)'}:{dec}/{inc}")
+        for (dt, D), items in byd.items():
+            summary.append(f"A mean {dt} D={D} [N:bw:mismatch dec/inc] " + " ".join(items))
+        byd = {}
+        for (_, dt, D, N, res) in arows:
+            byd.setdefault((dt, D), []).append(f"N{N}:" + "/".join(str(v) for v in res.values()))
+        for (dt, D), items in byd.items():
+            summary.append(f"A aten_rms {dt} D={D} [(w0+w2)+(w1+w3) / (w0+w1)+(w2+w3) mismatches] " + " ".join(items))
+        log("phase A done")
+        print("\n".join(summary), flush=True)
+        open(os.path.join(args.out, "phase_a.txt"), "w").write("\n".join(summary) + "\n")
+    disc_lines = []
+    if args.flags:
+        flags = json.loads(args.flags)
+    else:
+        disc = run_parallel(discovery_tasks(), args.nproc, args.out, "disc", budget_s=70)
+        for tag, r in sorted(disc.items()):
+            disc_lines.append(f"{tag}: " + json.dumps({k: v for k, v in r.items() if k not in ('tb', 'tag', 'key')}))
+            if "tb" in r:
+                disc_lines.append(r["tb"])
+        flags = choose(disc, disc_lines)
+        log("phase 1 done")
+        print("\n".join(disc_lines), flush=True)
+    log(f"flags: {flags}")
+    sweep = run_parallel(sweep_tasks(flags, args.quick), args.nproc, args.out, "sweep", budget_s=120)
+    log("phase 2 done")
+    timing = phase_timing(flags)
+    log("phase 3 done")
+
+    # ---------------- summary
+    report = []
+    report.append(f"flags {json.dumps(flags)}")
+    report.extend(disc_lines[:0])
+    bad, fellback, good, high_over = [], [], 0, []
+    ulp, ulp_he, ulp_ee = Counter(), Counter(), Counter()
+    for tag, r in sorted(sweep.items()):
+        if "error" in r:
+            bad.append(f"ERROR {tag}: {r['error']}")
+            continue
+        if "reason" in r:
+            fellback.append(f"{tag}: {r['reason']}")
+            continue
+        if "equal" not in r:
+            continue
+        if "/high" in tag:
+            for i, c in enumerate(r["hist"]):
+                ulp[i] += c
+            for i, c in enumerate(r.get("high_vs_exact", [])):
+                ulp_he[i] += c
+            for i, c in enumerate(r.get("eager_vs_exact", [])):
+                ulp_ee[i] += c
+            if r["nan_out"]:
+                bad.append(f"HIGH NaN {tag}: nan_out={r['nan_out']}")
+            elif r["max_ulp"] > 1:
+                high_over.append(f"{tag.split('/', 1)[1]}:{r['max_ulp']}")
+            else:
+                good += 1
+        else:
+            if r["equal"] and not r["nan_out"]:
+                good += 1
+            else:
+                bad.append(f"MISMATCH {tag}: {r['mismatch']} of {r['numel']} (rows {r.get('bad_rows')}/{r.get('rows')}) "
+                           f"max_ulp={r['max_ulp']} nan_out={r['nan_out']}")
+    report.append(f"sweep: {good} passed, {len(bad)} failed, {len(fellback)} fell back, "
+                  f"{len(high_over)} high checks with max ULP > 1")
+    report.append("high max ULP>1: " + " ".join(high_over)[:1500])
+    report.extend(bad[:40])
+    if len(bad) > 40:
+        report.append(f"... {len(bad) - 40} more failures in summary_full.txt")
+    report.extend("FALLBACK " + f for f in fellback[:20])
+    report.append(f"high-mode ULP histogram vs eager over all high checks (0,1,2,3,>=4): {[ulp[i] for i in range(5)]}")
+    report.append(f"  vs fp64-exact: high {[ulp_he[i] for i in range(5)]}  eager {[ulp_ee[i] for i in range(5)]}")
+    report.append("timing 4096x6144 bf16, per-sample strided params (us, do_bench median):")
+    report.extend(f"  {n:48s} {v}" for n, v in timing)
+    text = "\n".join(report)
+    full = "\n".join(report + bad + ["FALLBACK " + f for f in fellback] + disc_lines)
+    open(os.path.join(args.out, "summary_full.txt"), "w").write(full + "\n")
+    json.dump({"sweep": sweep, "timing": timing, "flags": flags}, open(os.path.join(args.out, "results.json"), "w"))
+    print("=" * 30 + " SUMMARY")
+    print(text, flush=True)
+
+
+if __name__ == "__main__":
+    main()
