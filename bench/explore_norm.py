@@ -519,7 +519,7 @@ def main():
     if args.flags:
         flags = json.loads(args.flags)
     else:
-        disc = run_parallel(discovery_tasks(), args.nproc, args.out, "disc", budget_s=70)
+        disc = run_parallel(discovery_tasks(), args.nproc, args.out, "disc", budget_s=60)
         for tag, r in sorted(disc.items()):
             disc_lines.append(f"{tag}: " + json.dumps({k: v for k, v in r.items() if k not in ('tb', 'tag', 'key')}))
             if "tb" in r:
@@ -528,7 +528,7 @@ def main():
         log("phase 1 done")
         print("\n".join(disc_lines), flush=True)
     log(f"flags: {flags}")
-    sweep = run_parallel(sweep_tasks(flags, args.quick), args.nproc, args.out, "sweep", budget_s=120)
+    sweep = run_parallel(sweep_tasks(flags, args.quick), args.nproc, args.out, "sweep", budget_s=110)
     log("phase 2 done")
     timing = phase_timing(flags)
     log("phase 3 done")

@@ -33,6 +33,11 @@ def main():
     from triton import knobs
     rows = {
         "torch.empty": lambda: torch.empty(x.shape, dtype=x.dtype, device=x.device),
+        "x.new_empty": lambda: x.new_empty(x.shape),
+        "torch.empty_like": lambda: torch.empty_like(x),
+        "x.shape + x.stride()": lambda: (x.shape, x.stride()),
+        "x.data_ptr()": lambda: x.data_ptr(),
+        "is_compiling": lambda: torch.compiler.is_compiling(),
         "plan_modulate (guard)": lambda: M.plan_modulate(x, c, h),
         "k.run only": lambda: k.run(key[2][0], key[2][1], 1, stream, k.function, k.packed_metadata, None,
                                     knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *args),
