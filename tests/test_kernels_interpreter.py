@@ -13,7 +13,7 @@ import torch
 
 from bitfuse.ops import gated_residual as _g  # noqa: F401
 from bitfuse.ops import modulate as _m  # noqa: F401
-from bitfuse.ops._pointwise import HAS_TRITON, broadcast_strides, layout_class, rows_of
+from bitfuse.ops._pointwise import HAS_TRITON, broadcast_strides, launch_shape, layout_class, needs_int64
 
 M = sys.modules["bitfuse.ops.modulate"]
 G = sys.modules["bitfuse.ops.gated_residual"]
@@ -22,17 +22,18 @@ pytestmark = pytest.mark.skipif(
     not HAS_TRITON or os.environ.get("TRITON_INTERPRET") != "1", reason="needs triton's interpreter (CPU runs)"
 )
 
-SHAPES = [(1, 1, 1), (2, 7, 100), (3, 13, 257), (1, 31, 2048), (2, 5, 2240)]
-CONFIGS = [None, (1, 64, 4), (4, 32, 4), (2, 512, 4)]
+SHAPES = [(1, 1, 1), (2, 7, 100), (3, 13, 257), (1, 31, 2048), (2, 5, 2240), (2, 3, 5120)]
+CONFIGS = [None, (4, 32, 4)]  # None: the default; (4, 32, 4): multi-row masked tiles
 
 
-def modulate_plan(x, scale, shift):
-    return M.ModulatePlan(x, scale, shift, rows_of(x), broadcast_strides(scale, x.shape),
-                          broadcast_strides(shift, x.shape), None)
+def modulate_plan(x, scale, shift, wide=False):
+    plan = M.ModulatePlan(x, scale, shift, *M._geometry_of(x, scale, shift))
+    return plan._replace(wide=True) if wide else plan
 
 
-def gated_plan(x, y, gate):
-    return G.GatedResidualPlan(x, y, gate, rows_of(x), rows_of(y), broadcast_strides(gate, x.shape), None)
+def gated_plan(x, y, gate, wide=False):
+    plan = G.GatedResidualPlan(x, y, gate, *G._geometry_of(x, y, gate))
+    return plan._replace(wide=True) if wide else plan
 
 
 def params(layout, B, S, D, g):
@@ -58,12 +59,13 @@ def test_fp32_exact_with_poisoned_output(B, S, D, layout):
     y = torch.randn(B, S, D, generator=g)
     scale, shift, gate = params(layout, B, S, D, g)
     for config in CONFIGS:
-        out = torch.full_like(x, float("nan"))
-        M.launch_modulate(modulate_plan(x, scale, shift), config, out=out)
-        assert torch.equal(out, x * (1 + scale) + shift), (layout, config)
-        out = torch.full_like(x, float("nan"))
-        G.launch_gated_residual(gated_plan(x, y, gate), config, out=out)
-        assert torch.equal(out, x + y * gate), (layout, config)
+        for wide in (False, True) if config is None else (False,):  # int32 and int64 indexing
+            out = torch.full_like(x, float("nan"))
+            M.launch_modulate(modulate_plan(x, scale, shift, wide), config, out=out)
+            assert torch.equal(out, x * (1 + scale) + shift), (layout, config, wide)
+            out = torch.full_like(x, float("nan"))
+            G.launch_gated_residual(gated_plan(x, y, gate, wide), config, out=out)
+            assert torch.equal(out, x + y * gate), (layout, config, wide)
 
 
 def test_strided_operands_and_2d_x():
@@ -97,6 +99,15 @@ def test_broadcast_strides_and_layout_classes():
     assert broadcast_strides(torch.randn(3, 1, 8), x_shape) is None
     assert broadcast_strides(torch.randn(1, 2, 5, 8), x_shape) is None
     assert broadcast_strides(torch.randn(5, 8), torch.Size([5, 8])) == (0, 8, 1)
+
+
+def test_launch_shape_and_index_width():
+    assert launch_shape(4096, 6144, 2) == (1, 4096, 4)
+    assert launch_shape(5120, 7, 2) == (1, 1024, 4)  # divides D: no masked lanes
+    assert launch_shape(2048, 1, 2) == (1, 2048, 8)
+    assert launch_shape(2240, 3, 2) == (1, 4096, 4)
+    assert not needs_int64((4, 6144 * 4096), (6144, 4096), (4096, 1))
+    assert needs_int64((4, 32768 * 9 * 4096), (32768, 9 * 4096), (4096, 1))
 
 
 def test_guard_reasons():

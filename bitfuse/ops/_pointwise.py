@@ -115,13 +115,27 @@ def cdiv(a: int, b: int) -> int:
 
 
 def launch_shape(D: int, S: int, elem_bytes: int) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_D, num_warps) for a streaming row-wise kernel: a program
-    covers up to 2048 columns of BLOCK_R rows of one sample, so a per-sample
-    parameter slice is loaded once per program, not once per row. Picked from
-    the sweep in bench/tune_pointwise.py on the H200."""
-    block_d = min(triton.next_power_of_2(D), 2048)
-    block_r = max(1, min(8192 // block_d, triton.next_power_of_2(S)))
-    return block_r, block_d, 8 if block_r * block_d >= 8192 else 4
+    """(BLOCK_R, BLOCK_D, num_warps) for the streaming row-wise kernels.
+
+    One row per program, up to 4096 columns, preferring a block that divides D
+    (no masked-off lanes: D=5120 runs as 5 x 1024, not 2 x 4096). Picked by
+    bench/tune_pointwise.py on the H200: one-row programs beat multi-row tiles
+    at every size measured, and 4 warps suit 4096 columns, 8 suit 2048."""
+    for block_d in (4096, 2048, 1024):
+        if D % block_d == 0:
+            break
+    else:
+        block_d = min(triton.next_power_of_2(D), 4096)
+    return 1, block_d, 8 if block_d == 2048 else 4
+
+
+def needs_int64(*extents) -> bool:
+    """Whether offsets may pass 2**31: extents are (size, stride) pairs of every operand."""
+    return sum(abs(stride) * (size - 1) for size, stride in extents) >= 2**31 - 1
+
+
+def _no_hooks(hook) -> bool:
+    return hook is None or (hasattr(hook, "calls") and not hook.calls)
 
 
 class FastLaunch:
@@ -133,34 +147,47 @@ class FastLaunch:
     with the same key launch that kernel directly. The key holds every integer
     argument's value and every pointer's 16-byte alignment, which determine
     Triton's specialization, so a replayed kernel is the one Triton would pick.
+    While launch hooks are installed (a profiler), every call takes Triton's
+    own path so the hooks see it.
     """
 
     MAX_KEYS = 4096
 
-    def __init__(self, fn):
+    def __init__(self, fn, constexpr_names: tuple[str, ...] = (), fp_fusion: bool = False):
         self.fn = fn
+        self.names = constexpr_names
+        self.fp_fusion = fp_fusion  # exact kernels keep eager's roundings: no FMA contraction
         self.compiled = {}
         self.direct = _knobs is not None and not INTERPRET
 
-    def __call__(self, grid, tensors, ints, constexprs: dict, options: dict):
-        key = (tuple(t.data_ptr() % 16 == 0 for t in tensors), ints, grid, tuple(constexprs.values()),
-               tuple(options.values()), tensors[0].dtype, tensors[0].get_device())
-        k = self.compiled.get(key)
-        if k is not None and self.direct:
-            args = (*tensors, *ints, *constexprs.values())
-            stream = torch._C._cuda_getCurrentRawStream(key[-1])
-            try:
-                k.run(grid[0], grid[1], 1, stream, k.function, k.packed_metadata,
-                      k.launch_metadata(grid, stream, *args),
-                      _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook, *args)
-                return
-            except (AttributeError, TypeError):  # another Triton's launcher: use its own path
-                self.direct = False
-        k = self.fn[grid](*tensors, *ints, **constexprs, **options)
-        if k is not None and self.direct:
+    def __call__(self, grid, tensors, ints: tuple, consts, num_warps):
+        if consts.__class__ is dict:  # (constexprs: dict, options: dict) form
+            self.names, consts = tuple(consts), tuple(consts.values())
+            self.fp_fusion = num_warps.get("enable_fp_fusion", False)
+            num_warps = num_warps["num_warps"]
+        device = tensors[0].get_device()
+        key = (tuple([t.data_ptr() & 15 == 0 for t in tensors]), ints, consts, num_warps,
+               tensors[0].dtype, device)
+        entry = self.compiled.get(key)
+        if entry is not None:
+            run, function, metadata = entry
+            run(grid[0], grid[1], 1, torch._C._cuda_getCurrentRawStream(device), function, metadata,
+                None, None, None, *tensors, *ints, *consts)
+            return
+        k = self.fn[grid](*tensors, *ints, **dict(zip(self.names, consts)), num_warps=num_warps,
+                          enable_fp_fusion=self.fp_fusion)
+        if not self.direct or k is None:
+            return
+        try:
+            hooks_off = _no_hooks(_knobs.runtime.launch_enter_hook) and _no_hooks(_knobs.runtime.launch_exit_hook)
+            entry = (k.run, k.function, k.packed_metadata)
+        except AttributeError:  # another Triton's launcher: keep its own path
+            self.direct = False
+            return
+        if hooks_off:
             if len(self.compiled) >= self.MAX_KEYS:
                 self.compiled.clear()
-            self.compiled[key] = k
+            self.compiled[key] = entry
 
 
 try:

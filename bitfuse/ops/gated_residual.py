@@ -8,17 +8,21 @@ parameter (per-sample, per-token, shared, strided views).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ._pointwise import (
     HAS_TRITON,
     FastLaunch,
+    Rows,
     broadcast_strides,
     cdiv,
     common_device_dtype,
     jit,
     launch_shape,
     layout_class,
+    needs_int64,
     rows_of,
     tl,
 )
@@ -34,51 +38,65 @@ def _gated_residual_kernel(
     y_sb, y_ss, y_sd,
     g_sb, g_ss, g_sd,
     GATE_PER_ROW: tl.constexpr,
+    EVEN: tl.constexpr,
+    INT64: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     # program (b * chunks + chunk, column block): BLOCK_R rows of sample b
     pid = tl.program_id(0)
-    b = (pid // chunks).to(tl.int64)
+    b = pid // chunks
     s = (pid % chunks) * BLOCK_R + tl.arange(0, BLOCK_R)
-    s64 = s.to(tl.int64)
-    cols = (tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)
-    col_ok = cols < D
-    mask = (s < S)[:, None] & col_ok[None, :]
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    if INT64:
+        b = b.to(tl.int64)
+        s = s.to(tl.int64)
+        cols = cols.to(tl.int64)
+    if EVEN:  # S % BLOCK_R == 0 and D % BLOCK_D == 0: no masks
+        col_ok = None
+        mask = None
+    else:
+        col_ok = cols < D
+        mask = (s < S)[:, None] & col_ok[None, :]
 
-    x_off = (b * x_sb + s64 * x_ss)[:, None] + (cols * x_sd)[None, :]
-    y_off = (b * y_sb + s64 * y_ss)[:, None] + (cols * y_sd)[None, :]
-    x = tl.load(x_ptr + x_off, mask=mask, eviction_policy="evict_first").to(tl.float32)
-    y = tl.load(y_ptr + y_off, mask=mask, eviction_policy="evict_first").to(tl.float32)
+    x_off = (b * x_sb + s * x_ss)[:, None] + (cols * x_sd)[None, :]
+    y_off = (b * y_sb + s * y_ss)[:, None] + (cols * y_sd)[None, :]
+    x = tl.load(x_ptr + x_off, mask=mask).to(tl.float32)
+    y = tl.load(y_ptr + y_off, mask=mask).to(tl.float32)
     if GATE_PER_ROW:
-        g_off = (b * g_sb + s64 * g_ss)[:, None] + (cols * g_sd)[None, :]
+        g_off = (b * g_sb + s * g_ss)[:, None] + (cols * g_sd)[None, :]
         gate = tl.load(gate_ptr + g_off, mask=mask).to(tl.float32)
-    else:  # loaded once per program
+    else:  # loaded once per program and kept in L2
         gate = tl.load(gate_ptr + b * g_sb + cols * g_sd, mask=col_ok, eviction_policy="evict_last")
         gate = gate.to(tl.float32)[None, :]
 
     dtype = out_ptr.dtype.element_ty
     m = (y * gate).to(dtype).to(tl.float32)  # eager: y * gate
     out = x + m  # eager: x + m
-    o_off = ((b * S + s64) * D)[:, None] + cols[None, :]
+    o_off = ((b * S + s) * D)[:, None] + cols[None, :]
     tl.store(out_ptr + o_off, out.to(dtype), mask=mask)
 
 
-_launch = FastLaunch(_gated_residual_kernel)
+_launch = FastLaunch(_gated_residual_kernel, ("GATE_PER_ROW", "EVEN", "INT64", "BLOCK_R", "BLOCK_D"))
 
 
 # ---------------------------------------------------------------- launcher
 
 
-class GatedResidualPlan:
-    """A call that passed the guard: operands, their geometry, and the gate key."""
+class GatedResidualPlan(NamedTuple):
+    """A call that passed the guard: operands, geometry, launch constants, gate key."""
 
-    __slots__ = ("x", "y", "gate", "rows", "y_rows", "g_strides", "key")
+    x: torch.Tensor
+    y: torch.Tensor
+    gate: torch.Tensor
+    rows: Rows
+    y_rows: Rows
+    g_strides: tuple
+    key: tuple
+    wide: bool  # offsets may pass 2**31: index in int64
 
-    def __init__(self, x, y, gate, rows, y_rows, g_strides, key):
-        self.x, self.y, self.gate = x, y, gate
-        self.rows, self.y_rows, self.g_strides = rows, y_rows, g_strides
-        self.key = key
+
+_geometry: dict = {}  # (shapes, strides, dtype, device) -> the guard's work, done once per layout
 
 
 def plan_gated_residual(x, y, gate) -> GatedResidualPlan | str:
@@ -88,6 +106,19 @@ def plan_gated_residual(x, y, gate) -> GatedResidualPlan | str:
     why = common_device_dtype(x, y, gate)
     if why:
         return why
+    cache_key = (x.shape, x.stride(), y.shape, y.stride(), gate.shape, gate.stride(), x.dtype, x.get_device())
+    geometry = _geometry.get(cache_key)
+    if geometry is None:
+        geometry = _geometry_of(x, y, gate)
+        if len(_geometry) >= 4096:
+            _geometry.clear()
+        _geometry[cache_key] = geometry
+    if geometry.__class__ is str:
+        return geometry
+    return GatedResidualPlan(x, y, gate, *geometry)
+
+
+def _geometry_of(x, y, gate):
     rows = rows_of(x)
     if rows is None:
         return f"x must be 2-D or 3-D, got {x.dim()}-D"
@@ -98,8 +129,11 @@ def plan_gated_residual(x, y, gate) -> GatedResidualPlan | str:
     g = broadcast_strides(gate, x.shape)
     if g is None:
         return "gate does not broadcast to x's shape"
-    key = (x.dtype, x.get_device(), layout_class(g, gate))
-    return GatedResidualPlan(x, y, gate, rows, rows_of(y), g, key)
+    r, yr = rows, rows_of(y)
+    wide = r.B * r.S * r.D >= 2**31 or needs_int64(
+        (r.B, r.sb), (r.S, r.ss), (r.D, r.sd), (r.B, yr.sb), (r.S, yr.ss), (r.D, yr.sd), (r.B, g[0]), (r.S, g[1]), (r.D, g[2])
+    )
+    return rows, yr, g, (x.dtype, x.get_device(), layout_class(g, gate)), wide
 
 
 def launch_gated_residual(plan: GatedResidualPlan, config=None, out=None) -> torch.Tensor:
@@ -107,15 +141,15 @@ def launch_gated_residual(plan: GatedResidualPlan, config=None, out=None) -> tor
     `config` overrides (BLOCK_R, BLOCK_D, num_warps)."""
     x, r, yr, g = plan.x, plan.rows, plan.y_rows, plan.g_strides
     if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
     block_r, block_d, num_warps = config or launch_shape(r.D, r.S, x.element_size())
     chunks = cdiv(r.S, block_r)
     _launch(
         (r.B * chunks, cdiv(r.D, block_d)),
         (x, plan.y, plan.gate, out),
         (r.S, r.D, chunks, r.sb, r.ss, r.sd, yr.sb, yr.ss, yr.sd, *g),
-        dict(GATE_PER_ROW=g[1] != 0, BLOCK_R=block_r, BLOCK_D=block_d),
-        dict(num_warps=num_warps, enable_fp_fusion=False),
+        (g[1] != 0, r.S % block_r == 0 and r.D % block_d == 0, plan.wide, block_r, block_d),
+        num_warps,
     )
     return out
 

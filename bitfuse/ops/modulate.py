@@ -13,17 +13,21 @@ eager's roundings cost nothing and every tier gets the exact result.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ._pointwise import (
     HAS_TRITON,
     FastLaunch,
+    Rows,
     broadcast_strides,
     cdiv,
     common_device_dtype,
     jit,
     launch_shape,
     layout_class,
+    needs_int64,
     rows_of,
     tl,
 )
@@ -40,29 +44,38 @@ def _modulate_kernel(
     h_sb, h_ss, h_sd,
     SCALE_PER_ROW: tl.constexpr,
     SHIFT_PER_ROW: tl.constexpr,
+    EVEN: tl.constexpr,
+    INT64: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     # program (b * chunks + chunk, column block): BLOCK_R rows of sample b
     pid = tl.program_id(0)
-    b = (pid // chunks).to(tl.int64)
+    b = pid // chunks
     s = (pid % chunks) * BLOCK_R + tl.arange(0, BLOCK_R)
-    s64 = s.to(tl.int64)
-    cols = (tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)
-    col_ok = cols < D
-    mask = (s < S)[:, None] & col_ok[None, :]
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    if INT64:
+        b = b.to(tl.int64)
+        s = s.to(tl.int64)
+        cols = cols.to(tl.int64)
+    if EVEN:  # S % BLOCK_R == 0 and D % BLOCK_D == 0: no masks, as Inductor's kernels
+        col_ok = None
+        mask = None
+    else:
+        col_ok = cols < D
+        mask = (s < S)[:, None] & col_ok[None, :]
 
-    x_off = (b * x_sb + s64 * x_ss)[:, None] + (cols * x_sd)[None, :]
-    x = tl.load(x_ptr + x_off, mask=mask, eviction_policy="evict_first").to(tl.float32)
-    # a parameter that doesn't vary along S is loaded once per program
+    x_off = (b * x_sb + s * x_ss)[:, None] + (cols * x_sd)[None, :]
+    x = tl.load(x_ptr + x_off, mask=mask).to(tl.float32)
+    # a parameter that doesn't vary along S is loaded once per program and kept in L2
     if SCALE_PER_ROW:
-        c_off = (b * c_sb + s64 * c_ss)[:, None] + (cols * c_sd)[None, :]
+        c_off = (b * c_sb + s * c_ss)[:, None] + (cols * c_sd)[None, :]
         scale = tl.load(scale_ptr + c_off, mask=mask).to(tl.float32)
     else:
         scale = tl.load(scale_ptr + b * c_sb + cols * c_sd, mask=col_ok, eviction_policy="evict_last")
         scale = scale.to(tl.float32)[None, :]
     if SHIFT_PER_ROW:
-        h_off = (b * h_sb + s64 * h_ss)[:, None] + (cols * h_sd)[None, :]
+        h_off = (b * h_sb + s * h_ss)[:, None] + (cols * h_sd)[None, :]
         shift = tl.load(shift_ptr + h_off, mask=mask).to(tl.float32)
     else:
         shift = tl.load(shift_ptr + b * h_sb + cols * h_sd, mask=col_ok, eviction_policy="evict_last")
@@ -72,25 +85,30 @@ def _modulate_kernel(
     t = (1.0 + scale).to(dtype).to(tl.float32)  # eager: 1 + scale
     p = (x * t).to(dtype).to(tl.float32)  # eager: x * t
     y = p + shift  # eager: p + shift
-    o_off = ((b * S + s64) * D)[:, None] + cols[None, :]
+    o_off = ((b * S + s) * D)[:, None] + cols[None, :]
     tl.store(out_ptr + o_off, y.to(dtype), mask=mask)
 
 
-_launch = FastLaunch(_modulate_kernel)
+_launch = FastLaunch(_modulate_kernel, ("SCALE_PER_ROW", "SHIFT_PER_ROW", "EVEN", "INT64", "BLOCK_R", "BLOCK_D"))
 
 
 # ---------------------------------------------------------------- launcher
 
 
-class ModulatePlan:
-    """A call that passed the guard: operands, their geometry, and the gate key."""
+class ModulatePlan(NamedTuple):
+    """A call that passed the guard: operands, geometry, launch constants, gate key."""
 
-    __slots__ = ("x", "scale", "shift", "rows", "c_strides", "h_strides", "key")
+    x: torch.Tensor
+    scale: torch.Tensor
+    shift: torch.Tensor
+    rows: Rows
+    c_strides: tuple
+    h_strides: tuple
+    key: tuple
+    wide: bool  # offsets may pass 2**31: index in int64
 
-    def __init__(self, x, scale, shift, rows, c_strides, h_strides, key):
-        self.x, self.scale, self.shift = x, scale, shift
-        self.rows, self.c_strides, self.h_strides = rows, c_strides, h_strides
-        self.key = key
+
+_geometry: dict = {}  # (shapes, strides, dtype, device) -> the guard's work, done once per layout
 
 
 def plan_modulate(x, scale, shift) -> ModulatePlan | str:
@@ -100,6 +118,20 @@ def plan_modulate(x, scale, shift) -> ModulatePlan | str:
     why = common_device_dtype(x, scale, shift)
     if why:
         return why
+    cache_key = (x.shape, x.stride(), scale.shape, scale.stride(), shift.shape, shift.stride(),
+                 x.dtype, x.get_device())
+    geometry = _geometry.get(cache_key)
+    if geometry is None:
+        geometry = _geometry_of(x, scale, shift)
+        if len(_geometry) >= 4096:
+            _geometry.clear()
+        _geometry[cache_key] = geometry
+    if geometry.__class__ is str:
+        return geometry
+    return ModulatePlan(x, scale, shift, *geometry)
+
+
+def _geometry_of(x, scale, shift):
     rows = rows_of(x)
     if rows is None:
         return f"x must be 2-D or 3-D, got {x.dim()}-D"
@@ -109,25 +141,28 @@ def plan_modulate(x, scale, shift) -> ModulatePlan | str:
     h = broadcast_strides(shift, x.shape)
     if c is None or h is None:
         return "scale/shift do not broadcast to x's shape"
-    key = (x.dtype, x.get_device(), layout_class(c, scale), layout_class(h, shift))
-    return ModulatePlan(x, scale, shift, rows, c, h, key)
+    r = rows
+    wide = r.B * r.S * r.D >= 2**31 or needs_int64(
+        (r.B, r.sb), (r.S, r.ss), (r.D, r.sd), (r.B, c[0]), (r.S, c[1]), (r.D, c[2]), (r.B, h[0]), (r.S, h[1]), (r.D, h[2])
+    )
+    return rows, c, h, (x.dtype, x.get_device(), layout_class(c, scale), layout_class(h, shift)), wide
 
 
 def launch_modulate(plan: ModulatePlan, config=None, out=None) -> torch.Tensor:
     """Run the kernel for a guarded plan, into `out` (contiguous, x's shape) if given.
     `config` overrides (BLOCK_R, BLOCK_D, num_warps)."""
-    x, r = plan.x, plan.rows
+    x, r, c, h = plan.x, plan.rows, plan.c_strides, plan.h_strides
     if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
     block_r, block_d, num_warps = config or launch_shape(r.D, r.S, x.element_size())
     chunks = cdiv(r.S, block_r)
-    c, h = plan.c_strides, plan.h_strides
+    even = r.S % block_r == 0 and r.D % block_d == 0
     _launch(
         (r.B * chunks, cdiv(r.D, block_d)),
         (x, plan.scale, plan.shift, out),
         (r.S, r.D, chunks, r.sb, r.ss, r.sd, *c, *h),
-        dict(SCALE_PER_ROW=c[1] != 0, SHIFT_PER_ROW=h[1] != 0, BLOCK_R=block_r, BLOCK_D=block_d),
-        dict(num_warps=num_warps, enable_fp_fusion=False),
+        (c[1] != 0, h[1] != 0, even, plan.wide, block_r, block_d),
+        num_warps,
     )
     return out
 
