@@ -145,10 +145,10 @@ def kernel_breakdown(call, n: int = 5) -> dict:
             continue
         us = evt.time_range.elapsed_us()
         name = evt.name
-        if _GEMM.search(name):
-            buckets["gemm"] += us
-        elif _ATTN.search(name):
+        if _ATTN.search(name):  # first: attention kernels can be named cutlass too (fmha_cutlassF_...)
             buckets["attention"] += us
+        elif _GEMM.search(name):
+            buckets["gemm"] += us
         else:
             buckets["other"] += us
             if _BITFUSE.search(name):
@@ -276,9 +276,9 @@ def print_table(result: dict) -> None:
         for ts in TIMESTEPS:
             r = result["results"].get(ts, {}).get(mode)
             if r is None:
-                row += f" | {'-':>34}"
+                row += f" | {'-':>33}"
             elif "error" in r:
-                row += f" | {'FAILED: ' + r['error'][:26]:>34}"
+                row += f" | {'FAILED: ' + r['error'][:25]:>33}"
             else:
                 mism = r.get("mismatches")
                 ulp = r.get("max_ulp")
@@ -291,7 +291,10 @@ def print_table(result: dict) -> None:
             if isinstance(r.get("kernels"), dict) and "ms_per_forward" in r["kernels"]]
     if prof:
         print()
-        print(f"{'CUDA kernel ms/forward':<34} {'GEMM':>8} {'attention':>10} {'other':>8} {'(bitfuse)':>10} {'total':>8}")
+        print(
+            f"{'CUDA kernel ms/forward':<34} {'GEMM':>8} {'attention':>10} {'other':>8} "
+            f"{'(bitfuse)':>10} {'total':>8}"
+        )
         for ts, m, k in prof:
             b = k["ms_per_forward"]
             print(

@@ -171,7 +171,8 @@ class FastLaunch:
         entry = self.compiled.get(key)
         if entry is not None:
             run, function, metadata = entry
-            run(grid[0], grid[1], 1, torch._C._cuda_getCurrentRawStream(device), function, metadata,
+            run(grid[0], grid[1], grid[2] if len(grid) > 2 else 1, torch._C._cuda_getCurrentRawStream(device),
+                function, metadata,
                 None, None, None, *tensors, *ints, *consts)
             return
         k = self.fn[grid](*tensors, *ints, **dict(zip(self.names, consts)), num_warps=num_warps,

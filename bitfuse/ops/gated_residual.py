@@ -33,7 +33,7 @@ from ._pointwise import (
 @jit
 def _gated_residual_kernel(
     x_ptr, y_ptr, gate_ptr, out_ptr,
-    S, D, chunks,
+    S, D,
     x_sb, x_ss, x_sd,
     y_sb, y_ss, y_sd,
     g_sb, g_ss, g_sd,
@@ -43,10 +43,9 @@ def _gated_residual_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    # program (b * chunks + chunk, column block): BLOCK_R rows of sample b
-    pid = tl.program_id(0)
-    b = pid // chunks
-    s = (pid % chunks) * BLOCK_R + tl.arange(0, BLOCK_R)
+    # program (row chunk, column block, sample b): BLOCK_R rows of sample b, no index division
+    b = tl.program_id(2)
+    s = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     if INT64:
         b = b.to(tl.int64)
@@ -143,11 +142,10 @@ def launch_gated_residual(plan: GatedResidualPlan, config=None, out=None) -> tor
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     block_r, block_d, num_warps = config or launch_shape(r.D, r.S, x.element_size())
-    chunks = cdiv(r.S, block_r)
     _launch(
-        (r.B * chunks, cdiv(r.D, block_d)),
+        (cdiv(r.S, block_r), cdiv(r.D, block_d), r.B),
         (x, plan.y, plan.gate, out),
-        (r.S, r.D, chunks, r.sb, r.ss, r.sd, yr.sb, yr.ss, yr.sd, *g),
+        (r.S, r.D, r.sb, r.ss, r.sd, yr.sb, yr.ss, yr.sd, *g),
         (g[1] != 0, r.S % block_r == 0 and r.D % block_d == 0, plan.wide, block_r, block_d),
         num_warps,
     )

@@ -46,16 +46,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._pointwise import INTERPRET, cdiv, jit, layout_class, tl, triton
+from ._pointwise import INTERPRET, FastLaunch, cdiv, jit, layout_class, tl, triton
 from .modulate import modulate_reference
-from .rms_norm_modulate import MAX_D, _check_operands, _row_kernel, _rsqrt, high_launch_shape
+from .rms_norm_modulate import (
+    MAX_D,
+    _check_operands,
+    _dummy_stats,
+    _modulate_tail,
+    _row_kernel,
+    _rsqrt,
+    high_launch_shape,
+)
 
 # FMA contractions of aten's nvcc build (measured: bench/explore_norm.py)
 WELFORD_FMA = True  # per-thread Welford update: two FMAs
 MEAN_V = 0  # combine mean: 0 fma(nA, mA, nB*mB), 1 fma(nB, mB, nA*mA), 2 no FMA
 SIG_FMA = True  # combine m2: fma((d*d)*cA, nB, sA + sB)
 RSQRT_ASM = False
-KEEP = True  # keep the row in registers (False: read x twice)
+PASS2 = 0  # second pass: 0 x kept in registers, 1 reload, 2 reload as wide tiles
+HIGH_ROUNDING = 2  # high mode's modulate roundings (rms_norm_modulate._modulate_tail)
 
 LANES = 128  # aten's num_threads(): 4 warps of 32
 
@@ -64,7 +73,9 @@ LANES = 128  # aten's num_threads(): 4 warps of 32
 
 
 @jit
-def _welford_step(v, mean, m2, cnt, valid, c_new, WELFORD_FMA: tl.constexpr):
+def _welford_step(v, mean, m2, valid, c_new, WELFORD_FMA: tl.constexpr, FULL: tl.constexpr):
+    """cuWelfordOnlineSum for the threads that hold this vector (all, if FULL);
+    c_new: their count after this value (the same for all of them)."""
     rcp = tl.math.div_rn(tl.full([], 1.0, tl.float32), c_new)
     delta = v - mean
     if WELFORD_FMA:
@@ -73,7 +84,10 @@ def _welford_step(v, mean, m2, cnt, valid, c_new, WELFORD_FMA: tl.constexpr):
     else:
         nm = mean + delta * rcp
         nm2 = m2 + delta * (v - nm)
-    return tl.where(valid, nm, mean), tl.where(valid, nm2, m2), tl.where(valid, c_new, cnt)
+    if FULL:
+        return nm, nm2
+    else:
+        return tl.where(valid, nm, mean), tl.where(valid, nm2, m2)
 
 
 @jit
@@ -111,10 +125,10 @@ def _halves(v, R: tl.constexpr, G: tl.constexpr, H: tl.constexpr):
     return lo, hi
 
 
-@_row_kernel
+@_row_kernel("n_rows", "S", "write_stats")
 def _layer_norm_modulate_exact_kernel(
-    x_ptr, scale_ptr, shift_ptr, out_ptr,
-    n_rows, S,
+    x_ptr, scale_ptr, shift_ptr, out_ptr, stats_ptr,
+    n_rows, S, write_stats,
     x_sb, x_ss,
     c_sb, c_ss, c_sd,
     h_sb, h_ss, h_sd,
@@ -123,7 +137,8 @@ def _layer_norm_modulate_exact_kernel(
     WELFORD_FMA: tl.constexpr,
     MEAN_V: tl.constexpr,
     SIG_FMA: tl.constexpr,
-    KEEP: tl.constexpr,
+    PASS2: tl.constexpr,  # 0: x from registers; 1: reload x, same tiles; 2: reload x, full-row tiles
+    BLOCK_D: tl.constexpr,
     RSQRT_ASM: tl.constexpr,
     R: tl.constexpr,
 ):
@@ -137,33 +152,40 @@ def _layer_norm_modulate_exact_kernel(
     rmask = rows < n_rows
     lane = tl.arange(0, L)
     within = (lane * 4)[:, None] + tl.arange(0, 4)[None, :]
-    x_base = (b * x_sb + s * x_ss)[:, None, None]
-    c_base = (b * c_sb + s * c_ss)[:, None, None]
-    h_base = (b * h_sb + s * h_ss)[:, None, None]
-    o_base = (r64 * D)[:, None, None]
+    x_row = b * x_sb + s * x_ss
+    c_row = b * c_sb + s * c_ss
+    h_row = b * h_sb + s * h_ss
+    o_row = r64 * D
+    x_base = x_row[:, None, None]
+    c_base = c_row[:, None, None]
+    h_base = h_row[:, None, None]
+    o_base = o_row[:, None, None]
     dtype = out_ptr.dtype.element_ty
 
     # pass 1: per-thread Welford, serial over the thread's vectors and their lanes
     mean = tl.zeros([R, L], tl.float32)
     m2 = tl.zeros([R, L], tl.float32)
-    cnt = tl.zeros([R, L], tl.float32)
     xs = ()
     for j in tl.static_range(NJ):
         col = (j * 4 * L + within)[None, :, :]
         vvec = (j * L + lane) < NV
         m = rmask[:, None, None] & vvec[None, :, None]
         xc = tl.load(x_ptr + (x_base + col), mask=m, other=0.0, eviction_policy="evict_last")
-        if KEEP:
+        if PASS2 == 0:
             xs = xs + (xc,)
         ev, od = tl.split(tl.reshape(xc.to(tl.float32), [R, L, 2, 2]))
         e0, e2 = tl.split(ev)
         e1, e3 = tl.split(od)
         valid = vvec[None, :]
-        mean, m2, cnt = _welford_step(e0, mean, m2, cnt, valid, tl.full([], 4 * j + 1, tl.float32), WELFORD_FMA)
-        mean, m2, cnt = _welford_step(e1, mean, m2, cnt, valid, tl.full([], 4 * j + 2, tl.float32), WELFORD_FMA)
-        mean, m2, cnt = _welford_step(e2, mean, m2, cnt, valid, tl.full([], 4 * j + 3, tl.float32), WELFORD_FMA)
-        mean, m2, cnt = _welford_step(e3, mean, m2, cnt, valid, tl.full([], 4 * j + 4, tl.float32), WELFORD_FMA)
+        full = (j + 1) * L <= NV  # every thread holds a vector of this chunk
+        mean, m2 = _welford_step(e0, mean, m2, valid, tl.full([], 4 * j + 1, tl.float32), WELFORD_FMA, full)
+        mean, m2 = _welford_step(e1, mean, m2, valid, tl.full([], 4 * j + 2, tl.float32), WELFORD_FMA, full)
+        mean, m2 = _welford_step(e2, mean, m2, valid, tl.full([], 4 * j + 3, tl.float32), WELFORD_FMA, full)
+        mean, m2 = _welford_step(e3, mean, m2, valid, tl.full([], 4 * j + 4, tl.float32), WELFORD_FMA, full)
 
+    # each thread's count: 4 per vector it holds
+    cnt = (4 * tl.maximum((NV - lane + L - 1) // L, 0)).to(tl.float32)
+    cnt = tl.broadcast_to(cnt[None, :], [R, L])
     # warp shuffle-down tree (offsets 16..1), combine(B=own, A=other)
     mean = tl.reshape(mean, [R, 4, 32])
     m2 = tl.reshape(m2, [R, 4, 32])
@@ -184,26 +206,42 @@ def _layer_norm_modulate_exact_kernel(
     mean, m2, cnt = _welford_combine(mlo, slo, clo, mhi, shi, chi, MEAN_V, SIG_FMA)
     mean = tl.reshape(mean, [R])
     rstd = _rsqrt(tl.math.div_rn(tl.reshape(m2, [R]), fD) + eps, RSQRT_ASM)
+    # per-row statistics for the device checks (write_stats = 0 in production)
+    smask = rmask & (tl.full([R], write_stats, tl.int32) != 0)
+    tl.store(stats_ptr + r64 * 2, mean, mask=smask)
+    tl.store(stats_ptr + r64 * 2 + 1, rstd, mask=smask)
     mean3 = mean[:, None, None]
     rstd3 = rstd[:, None, None]
 
     # pass 2: normalise, modulate with eager's three roundings, store
-    for j in tl.static_range(NJ):
-        col = (j * 4 * L + within)[None, :, :]
-        m = rmask[:, None, None] & ((j * L + lane) < NV)[None, :, None]
-        if KEEP:
-            xc = xs[j]
-        else:
-            xc = tl.load(x_ptr + (x_base + col), mask=m, other=0.0, eviction_policy="evict_first")
-        n = (rstd3 * (xc.to(tl.float32) - mean3)).to(dtype).to(tl.float32)
-        scale = tl.load(scale_ptr + (c_base + col * c_sd), mask=m, other=0.0).to(tl.float32)
-        shift = tl.load(shift_ptr + (h_base + col * h_sd), mask=m, other=0.0).to(tl.float32)
+    if PASS2 == 2:  # elementwise: any thread may take any element, so wide tiles
+        cols = tl.arange(0, BLOCK_D)
+        m2 = rmask[:, None] & (cols < D)[None, :]
+        xf = tl.load(x_ptr + (x_row[:, None] + cols[None, :]), mask=m2, other=0.0,
+                     eviction_policy="evict_first").to(tl.float32)
+        n = (rstd[:, None] * (xf - mean[:, None])).to(dtype).to(tl.float32)
+        scale = tl.load(scale_ptr + (c_row[:, None] + cols[None, :] * c_sd), mask=m2, other=0.0).to(tl.float32)
+        shift = tl.load(shift_ptr + (h_row[:, None] + cols[None, :] * h_sd), mask=m2, other=0.0).to(tl.float32)
         t = (1.0 + scale).to(dtype).to(tl.float32)
         p = (n * t).to(dtype).to(tl.float32)
-        tl.store(out_ptr + (o_base + col), (p + shift).to(dtype), mask=m)
+        tl.store(out_ptr + (o_row[:, None] + cols[None, :]), (p + shift).to(dtype), mask=m2)
+    else:
+        for j in tl.static_range(NJ):
+            col = (j * 4 * L + within)[None, :, :]
+            m = rmask[:, None, None] & ((j * L + lane) < NV)[None, :, None]
+            if PASS2 == 0:
+                xf = xs[j].to(tl.float32)
+            else:
+                xf = tl.load(x_ptr + (x_base + col), mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            n = (rstd3 * (xf - mean3)).to(dtype).to(tl.float32)
+            scale = tl.load(scale_ptr + (c_base + col * c_sd), mask=m, other=0.0).to(tl.float32)
+            shift = tl.load(shift_ptr + (h_base + col * h_sd), mask=m, other=0.0).to(tl.float32)
+            t = (1.0 + scale).to(dtype).to(tl.float32)
+            p = (n * t).to(dtype).to(tl.float32)
+            tl.store(out_ptr + (o_base + col), (p + shift).to(dtype), mask=m)
 
 
-@_row_kernel
+@_row_kernel("n_rows", "S")
 def _layer_norm_modulate_high_kernel(
     x_ptr, scale_ptr, shift_ptr, out_ptr,
     n_rows, S, D,
@@ -211,6 +249,7 @@ def _layer_norm_modulate_high_kernel(
     c_sb, c_ss, c_sd,
     h_sb, h_ss, h_sd,
     eps, inv_d,
+    ROUNDING: tl.constexpr,
     R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -229,8 +268,12 @@ def _layer_norm_modulate_high_kernel(
     rstd = tl.math.rsqrt(tl.sum(xc * xc, axis=1) * inv_d + eps)
     scale = tl.load(scale_ptr + ((b * c_sb + s * c_ss)[:, None] + cols[None, :] * c_sd), mask=m, other=0.0)
     shift = tl.load(shift_ptr + ((b * h_sb + s * h_ss)[:, None] + cols[None, :] * h_sd), mask=m, other=0.0)
-    y = (xc * rstd[:, None]) * (1.0 + scale.to(tl.float32)) + shift.to(tl.float32)
-    tl.store(out_ptr + ((r64 * D)[:, None] + cols[None, :]), y.to(out_ptr.dtype.element_ty), mask=m)
+    y = _modulate_tail(xc * rstd[:, None], scale, shift, out_ptr.dtype.element_ty, ROUNDING)
+    tl.store(out_ptr + ((r64 * D)[:, None] + cols[None, :]), y, mask=m)
+
+
+_launch_exact = FastLaunch(_layer_norm_modulate_exact_kernel)
+_launch_high = FastLaunch(_layer_norm_modulate_high_kernel)
 
 
 # ---------------------------------------------------------------- launcher
@@ -265,7 +308,7 @@ def _plan(x, scale, shift, eps, exact, cpu_ok=False):
             return f"D={D} is not a multiple of 4 (aten takes RowwiseMomentsCUDAKernel)"
         if x.is_contiguous() and x.data_ptr() % (4 * x.element_size()):
             return "x is not 4-element aligned (aten takes RowwiseMomentsCUDAKernel)"
-    key = (x.dtype, x.device.index, layout_class(c, scale), layout_class(h, shift), "layer_norm", f"D={D}")
+    key = (x.dtype, x.get_device(), layout_class(c, scale), layout_class(h, shift), "layer_norm", f"D={D}")
     return LayerNormModulatePlan(x, scale, shift, rows, c, h, float(eps), key)
 
 
@@ -274,35 +317,36 @@ def exact_launch_shape(plan, elem_bytes: int) -> tuple[int, int]:
     return 1, 4
 
 
-def launch_layer_norm_modulate(plan, exact: bool = True, config=None) -> torch.Tensor:
-    """Run the kernel for a guarded plan. `config` overrides
-    (R, num_warps, keep) in exact mode, (R, num_warps) in high mode."""
+def launch_layer_norm_modulate(plan, exact: bool = True, config=None, out=None, stats=None) -> torch.Tensor:
+    """Run the kernel for a guarded plan, into `out` (contiguous, x's shape) if given.
+    `config` overrides (R, num_warps, pass2) in exact mode, (R, num_warps) in high mode.
+    `stats` (fp32, 2 per row; exact mode) receives each row's mean and rstd."""
     x, r = plan.x, plan.rows
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     n_rows = r.B * r.S
+    tensors = (x, plan.scale, plan.shift, out)
     if exact:
         if config:
-            R, num_warps, keep = (tuple(config) + (True,))[:3]
+            R, num_warps, pass2 = (tuple(config) + (PASS2,))[:3]
         else:
-            (R, num_warps), keep = exact_launch_shape(plan, x.element_size()), KEEP
-        _layer_norm_modulate_exact_kernel[(cdiv(n_rows, R),)](
-            x, plan.scale, plan.shift, out,
-            n_rows, r.S, r.sb, r.ss,
-            *plan.c_strides, *plan.h_strides,
-            plan.eps, float(r.D),
-            D=r.D, WELFORD_FMA=WELFORD_FMA, MEAN_V=MEAN_V, SIG_FMA=SIG_FMA,
-            KEEP=keep, RSQRT_ASM=RSQRT_ASM and not INTERPRET, R=R,
-            num_warps=num_warps, enable_fp_fusion=False,
+            (R, num_warps), pass2 = exact_launch_shape(plan, x.element_size()), PASS2
+        _launch_exact(
+            (cdiv(n_rows, R), 1), tensors + (_dummy_stats(x) if stats is None else stats,),
+            (n_rows, r.S, int(stats is not None), r.sb, r.ss, *plan.c_strides, *plan.h_strides,
+             plan.eps, float(r.D)),
+            dict(D=r.D, WELFORD_FMA=WELFORD_FMA, MEAN_V=MEAN_V, SIG_FMA=SIG_FMA,
+                 PASS2=pass2, BLOCK_D=triton.next_power_of_2(r.D), RSQRT_ASM=RSQRT_ASM and not INTERPRET, R=R),
+            dict(num_warps=num_warps, enable_fp_fusion=False),
         )
     else:
         block_d = triton.next_power_of_2(r.D)
         R, num_warps = config or high_launch_shape(block_d, n_rows, x.element_size())
-        _layer_norm_modulate_high_kernel[(cdiv(n_rows, R),)](
-            x, plan.scale, plan.shift, out,
-            n_rows, r.S, r.D, r.sb, r.ss,
-            *plan.c_strides, *plan.h_strides,
-            plan.eps, 1.0 / r.D,
-            R=R, BLOCK_D=block_d, num_warps=num_warps,
+        _launch_high(
+            (cdiv(n_rows, R), 1), tensors,
+            (n_rows, r.S, r.D, r.sb, r.ss, *plan.c_strides, *plan.h_strides, plan.eps, 1.0 / r.D),
+            dict(ROUNDING=HIGH_ROUNDING, R=R, BLOCK_D=block_d),
+            dict(num_warps=num_warps),
         )
     return out
 

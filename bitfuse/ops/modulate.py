@@ -38,7 +38,7 @@ from ._pointwise import (
 @jit
 def _modulate_kernel(
     x_ptr, scale_ptr, shift_ptr, out_ptr,
-    S, D, chunks,
+    S, D,
     x_sb, x_ss, x_sd,
     c_sb, c_ss, c_sd,
     h_sb, h_ss, h_sd,
@@ -49,10 +49,9 @@ def _modulate_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    # program (b * chunks + chunk, column block): BLOCK_R rows of sample b
-    pid = tl.program_id(0)
-    b = pid // chunks
-    s = (pid % chunks) * BLOCK_R + tl.arange(0, BLOCK_R)
+    # program (row chunk, column block, sample b): BLOCK_R rows of sample b, no index division
+    b = tl.program_id(2)
+    s = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     if INT64:
         b = b.to(tl.int64)
@@ -155,12 +154,11 @@ def launch_modulate(plan: ModulatePlan, config=None, out=None) -> torch.Tensor:
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     block_r, block_d, num_warps = config or launch_shape(r.D, r.S, x.element_size())
-    chunks = cdiv(r.S, block_r)
     even = r.S % block_r == 0 and r.D % block_d == 0
     _launch(
-        (r.B * chunks, cdiv(r.D, block_d)),
+        (cdiv(r.S, block_r), cdiv(r.D, block_d), r.B),
         (x, plan.scale, plan.shift, out),
-        (r.S, r.D, chunks, r.sb, r.ss, r.sd, *c, *h),
+        (r.S, r.D, r.sb, r.ss, r.sd, *c, *h),
         (c[1] != 0, h[1] != 0, even, plan.wide, block_r, block_d),
         num_warps,
     )

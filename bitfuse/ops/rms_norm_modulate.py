@@ -72,6 +72,8 @@ result); the gate verifies it at first sight.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -79,6 +81,7 @@ import torch.nn.functional as F
 from ._pointwise import (
     HAS_TRITON,
     INTERPRET,
+    FastLaunch,
     broadcast_strides,
     cdiv,
     common_device_dtype,
@@ -93,9 +96,12 @@ from .modulate import modulate_reference
 REFERENCES = ("diffusers", "aten")
 
 
-def _row_kernel(fn):
-    """`triton.jit` without specialising on the row count (one compile for every S)."""
-    return triton.jit(fn, do_not_specialize=["n_rows", "S"]) if HAS_TRITON else fn
+def _row_kernel(*names):
+    """`triton.jit` without specialising on the row count (one compile for every S)
+    or on the debug flag `write_stats` (the checked kernel is the production one)."""
+    def wrap(fn):
+        return triton.jit(fn, do_not_specialize=list(names)) if HAS_TRITON else fn
+    return wrap
 
 MAX_D = 16384  # exact kernels unroll the row; wider rows take the reference
 
@@ -103,7 +109,8 @@ MAX_D = 16384  # exact kernels unroll the row; wider rows take the reference
 # launcher reads them at call time so a device script can try the others.
 WARP_INC = False  # diffusers mean: warp shuffle offsets decreasing (16..1)
 RSQRT_ASM = False  # True: inline `rsqrt.approx.f32`; False: libdevice rsqrt
-KEEP = True  # exact kernels keep the row in registers (False: read x twice)
+PASS2 = 0  # exact kernels' second pass: 0 x kept in registers, 1 reload, 2 reload as wide tiles
+HIGH_ROUNDING = 2  # high mode's modulate roundings: see _modulate_tail
 
 
 # ---------------------------------------------------------------- kernels
@@ -119,10 +126,10 @@ def _rsqrt(x, ASM: tl.constexpr):
         return tl.math.rsqrt(x)
 
 
-@_row_kernel
+@_row_kernel("n_rows", "S", "write_stats")
 def _rms_norm_modulate_exact_kernel(
-    x_ptr, scale_ptr, shift_ptr, out_ptr,
-    n_rows, S,
+    x_ptr, scale_ptr, shift_ptr, out_ptr, stats_ptr,
+    n_rows, S, write_stats,
     x_sb, x_ss,
     c_sb, c_ss, c_sd,
     h_sb, h_ss, h_sd,
@@ -132,7 +139,8 @@ def _rms_norm_modulate_exact_kernel(
     LANES: tl.constexpr,  # threads sharing a row in the reference kernel
     XSTEPS: tl.constexpr,  # shared-memory halving steps before the warp tree (diffusers)
     WARP_INC: tl.constexpr,
-    KEEP: tl.constexpr,
+    PASS2: tl.constexpr,  # 0: x from registers; 1: reload x, same tiles; 2: reload x, full-row tiles
+    BLOCK_D: tl.constexpr,
     RSQRT_ASM: tl.constexpr,
     R: tl.constexpr,
 ):
@@ -146,10 +154,14 @@ def _rms_norm_modulate_exact_kernel(
     rmask = rows < n_rows
     lane = tl.arange(0, LANES)
     within = (lane * 4)[:, None] + tl.arange(0, 4)[None, :]  # [LANES, 4]
-    x_base = (b * x_sb + s * x_ss)[:, None, None]
-    c_base = (b * c_sb + s * c_ss)[:, None, None]
-    h_base = (b * h_sb + s * h_ss)[:, None, None]
-    o_base = (r64 * D)[:, None, None]
+    x_row = b * x_sb + s * x_ss
+    c_row = b * c_sb + s * c_ss
+    h_row = b * h_sb + s * h_ss
+    o_row = r64 * D
+    x_base = x_row[:, None, None]
+    c_base = c_row[:, None, None]
+    h_base = h_row[:, None, None]
+    o_base = o_row[:, None, None]
     dtype = out_ptr.dtype.element_ty
 
     # pass 1: per-thread serial accumulation, in the reference's thread order
@@ -162,7 +174,7 @@ def _rms_norm_modulate_exact_kernel(
         col = (j * CH + within)[None, :, :]
         m = rmask[:, None, None] & ((j * LANES + lane) < NV)[None, :, None]
         xc = tl.load(x_ptr + (x_base + col), mask=m, other=0.0, eviction_policy="evict_last")
-        if KEEP:
+        if PASS2 == 0:
             xs = xs + (xc,)
         xf = xc.to(tl.float32)
         if REF == 0:
@@ -190,34 +202,51 @@ def _rms_norm_modulate_exact_kernel(
             else:
                 v = tl.sum(tl.reshape(v, [R, 2, 16 >> i]), axis=1)
         total = tl.reshape(v, [R])
-        mean = total * factor
-        r = _rsqrt(mean + eps, RSQRT_ASM)
+        stat = total * factor  # the mean aten's MeanOps writes
+        r = _rsqrt(stat + eps, RSQRT_ASM)
     else:
         v = tl.reshape(acc, [R, 4, 32])
         for i in tl.static_range(5):
             v = tl.sum(tl.reshape(v, [R, 4, 2, 16 >> i]), axis=2)
         v = tl.sum(tl.reshape(v, [R, 2, 2]), axis=1)  # (w0 + w2, w1 + w3)
         total = tl.sum(v, axis=1)
-        r = _rsqrt(tl.math.div_rn(total, fD) + eps, RSQRT_ASM)
+        stat = tl.math.div_rn(total, fD)  # sigma2 / N
+        r = _rsqrt(stat + eps, RSQRT_ASM)
+    # per-row statistics for the device checks (write_stats = 0 in production)
+    smask = rmask & (tl.full([R], write_stats, tl.int32) != 0)
+    tl.store(stats_ptr + r64 * 2, stat, mask=smask)
+    tl.store(stats_ptr + r64 * 2 + 1, r, mask=smask)
     r3 = r[:, None, None]
 
     # pass 2: normalise, modulate with eager's three roundings, store
-    for j in tl.static_range(NJ):
-        col = (j * CH + within)[None, :, :]
-        m = rmask[:, None, None] & ((j * LANES + lane) < NV)[None, :, None]
-        if KEEP:
-            xc = xs[j]
-        else:
-            xc = tl.load(x_ptr + (x_base + col), mask=m, other=0.0, eviction_policy="evict_first")
-        n = (xc.to(tl.float32) * r3).to(dtype).to(tl.float32)
-        scale = tl.load(scale_ptr + (c_base + col * c_sd), mask=m, other=0.0).to(tl.float32)
-        shift = tl.load(shift_ptr + (h_base + col * h_sd), mask=m, other=0.0).to(tl.float32)
+    if PASS2 == 2:  # elementwise: any thread may take any element, so wide tiles
+        cols = tl.arange(0, BLOCK_D)
+        m2 = rmask[:, None] & (cols < D)[None, :]
+        xf = tl.load(x_ptr + (x_row[:, None] + cols[None, :]), mask=m2, other=0.0,
+                     eviction_policy="evict_first").to(tl.float32)
+        n = (xf * r[:, None]).to(dtype).to(tl.float32)
+        scale = tl.load(scale_ptr + (c_row[:, None] + cols[None, :] * c_sd), mask=m2, other=0.0).to(tl.float32)
+        shift = tl.load(shift_ptr + (h_row[:, None] + cols[None, :] * h_sd), mask=m2, other=0.0).to(tl.float32)
         t = (1.0 + scale).to(dtype).to(tl.float32)
         p = (n * t).to(dtype).to(tl.float32)
-        tl.store(out_ptr + (o_base + col), (p + shift).to(dtype), mask=m)
+        tl.store(out_ptr + (o_row[:, None] + cols[None, :]), (p + shift).to(dtype), mask=m2)
+    else:
+        for j in tl.static_range(NJ):
+            col = (j * CH + within)[None, :, :]
+            m = rmask[:, None, None] & ((j * LANES + lane) < NV)[None, :, None]
+            if PASS2 == 0:
+                xf = xs[j].to(tl.float32)
+            else:
+                xf = tl.load(x_ptr + (x_base + col), mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            n = (xf * r3).to(dtype).to(tl.float32)
+            scale = tl.load(scale_ptr + (c_base + col * c_sd), mask=m, other=0.0).to(tl.float32)
+            shift = tl.load(shift_ptr + (h_base + col * h_sd), mask=m, other=0.0).to(tl.float32)
+            t = (1.0 + scale).to(dtype).to(tl.float32)
+            p = (n * t).to(dtype).to(tl.float32)
+            tl.store(out_ptr + (o_base + col), (p + shift).to(dtype), mask=m)
 
 
-@_row_kernel
+@_row_kernel("n_rows", "S")
 def _rms_norm_modulate_high_kernel(
     x_ptr, scale_ptr, shift_ptr, out_ptr,
     n_rows, S, D,
@@ -225,6 +254,7 @@ def _rms_norm_modulate_high_kernel(
     c_sb, c_ss, c_sd,
     h_sb, h_ss, h_sd,
     eps, inv_d,
+    ROUNDING: tl.constexpr,
     R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -241,8 +271,33 @@ def _rms_norm_modulate_high_kernel(
     r = tl.math.rsqrt(tl.sum(x * x, axis=1) * inv_d + eps)
     scale = tl.load(scale_ptr + ((b * c_sb + s * c_ss)[:, None] + cols[None, :] * c_sd), mask=m, other=0.0)
     shift = tl.load(shift_ptr + ((b * h_sb + s * h_ss)[:, None] + cols[None, :] * h_sd), mask=m, other=0.0)
-    y = (x * r[:, None]) * (1.0 + scale.to(tl.float32)) + shift.to(tl.float32)
-    tl.store(out_ptr + ((r64 * D)[:, None] + cols[None, :]), y.to(out_ptr.dtype.element_ty), mask=m)
+    y = _modulate_tail(x * r[:, None], scale, shift, out_ptr.dtype.element_ty, ROUNDING)
+    tl.store(out_ptr + ((r64 * D)[:, None] + cols[None, :]), y, mask=m)
+
+
+@jit
+def _modulate_tail(n, scale, shift, dtype: tl.constexpr, ROUNDING: tl.constexpr):
+    """n * (1 + scale) + shift for the one-pass kernels (launched with FMA
+    contraction on). ROUNDING 0: fp32 throughout, one rounding at the end.
+    1: eager's roundings of the norm's output n and of 1 + scale, then one FMA
+    (within one ULP of eager at the scale of the terms; 0 is not, see module doc).
+    2: all of eager's roundings (only the reduction order differs from eager)."""
+    scale = scale.to(tl.float32)
+    shift = shift.to(tl.float32)
+    if ROUNDING == 0:
+        y = n * (1.0 + scale) + shift
+    else:
+        n = n.to(dtype).to(tl.float32)
+        t = (1.0 + scale).to(dtype).to(tl.float32)
+        if ROUNDING == 1:
+            y = tl.fma(n, t, shift)
+        else:
+            y = (n * t).to(dtype).to(tl.float32) + shift
+    return y.to(dtype)
+
+
+_launch_exact = FastLaunch(_rms_norm_modulate_exact_kernel)
+_launch_high = FastLaunch(_rms_norm_modulate_high_kernel)
 
 
 # ---------------------------------------------------------------- launcher
@@ -252,6 +307,7 @@ def _last_pow2(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
+@functools.lru_cache(maxsize=4096)
 def mean_reduce_config(D: int, N: int) -> tuple[int, str | None]:
     """aten's setReduceConfig for `mean(-1)` of a contiguous fp32 [N, D] tensor
     (vt0 = input_vec_size = 4, 512 threads, 32-lane warps): the block width
@@ -277,6 +333,7 @@ def mean_reduce_config(D: int, N: int) -> tuple[int, str | None]:
     return bw, None
 
 
+@functools.lru_cache(maxsize=4096)
 def mean_factor(N: int, D: int) -> float:
     """MeanOps' factor: float(num_outputs) / numel, in fp32 as on the host."""
     return float(np.float32(N) / np.float32(N * D))
@@ -285,6 +342,9 @@ def mean_factor(N: int, D: int) -> float:
 def _torch_at_least(major: int, minor: int) -> bool:
     parts = torch.__version__.split("+")[0].split(".")
     return (int(parts[0]), int(parts[1])) >= (major, minor)
+
+
+_FUSED_RMS_NORM = _torch_at_least(2, 9)
 
 
 class RMSNormModulatePlan:
@@ -348,11 +408,11 @@ def _plan(x, scale, shift, eps, reference, exact, cpu_ok=False):
                 return f"D={D} is not a multiple of 4 (aten takes RowwiseMomentsCUDAKernel)"
             if x.is_contiguous() and x.data_ptr() % (4 * x.element_size()):
                 return "x is not 4-element aligned (aten takes RowwiseMomentsCUDAKernel)"
-            if not _torch_at_least(2, 9):
+            if not _FUSED_RMS_NORM:
                 return "torch < 2.9 runs F.rms_norm as composite ops"
     elif D > MAX_D:
         return f"D={D} > {MAX_D}: row too wide for the one-pass kernel"
-    key = (x.dtype, x.device.index, layout_class(c, scale), layout_class(h, shift),
+    key = (x.dtype, x.get_device(), layout_class(c, scale), layout_class(h, shift),
            reference, f"D={D}", f"lanes={lanes}")
     return RMSNormModulatePlan(x, scale, shift, rows, c, h, float(eps), reference, lanes, factor, key)
 
@@ -364,37 +424,50 @@ def exact_launch_shape(plan, elem_bytes: int) -> tuple[int, int]:
     return 1, 1
 
 
-def launch_rms_norm_modulate(plan, exact: bool = True, config=None) -> torch.Tensor:
-    """Run the kernel for a guarded plan. `config` overrides
-    (R, num_warps, keep) in exact mode, (R, num_warps) in high mode."""
+def _dummy_stats(x):
+    """A placeholder fp32 pointer for the exact kernels' stats output (not written)."""
+    d = _DUMMY.get(x.get_device())
+    if d is None:
+        d = _DUMMY[x.get_device()] = torch.empty(2, dtype=torch.float32, device=x.device)
+    return d
+
+
+_DUMMY: dict = {}
+
+
+def launch_rms_norm_modulate(plan, exact: bool = True, config=None, out=None, stats=None) -> torch.Tensor:
+    """Run the kernel for a guarded plan, into `out` (contiguous, x's shape) if given.
+    `config` overrides (R, num_warps, pass2) in exact mode, (R, num_warps) in high mode.
+    `stats` (fp32, 2 per row; exact mode): receives each row's statistic (diffusers:
+    the mean; aten: sigma2 / D) and its rsqrt, for checks against aten's."""
     x, r = plan.x, plan.rows
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     n_rows = r.B * r.S
+    tensors = (x, plan.scale, plan.shift, out)
     if exact:
         if config:
-            R, num_warps, keep = (tuple(config) + (True,))[:3]
+            R, num_warps, pass2 = (tuple(config) + (PASS2,))[:3]
         else:
-            (R, num_warps), keep = exact_launch_shape(plan, x.element_size()), KEEP
+            (R, num_warps), pass2 = exact_launch_shape(plan, x.element_size()), PASS2
         lanes = plan.lanes
-        _rms_norm_modulate_exact_kernel[(cdiv(n_rows, R),)](
-            x, plan.scale, plan.shift, out,
-            n_rows, r.S, r.sb, r.ss,
-            *plan.c_strides, *plan.h_strides,
-            plan.eps, plan.factor, float(r.D),
-            D=r.D, REF=0 if plan.reference == "diffusers" else 1,
-            LANES=lanes, XSTEPS=max(lanes.bit_length() - 1 - 5, 0),
-            WARP_INC=WARP_INC, KEEP=keep, RSQRT_ASM=RSQRT_ASM and not INTERPRET, R=R,
-            num_warps=num_warps, enable_fp_fusion=False,
+        _launch_exact(
+            (cdiv(n_rows, R), 1), tensors + (_dummy_stats(x) if stats is None else stats,),
+            (n_rows, r.S, int(stats is not None), r.sb, r.ss, *plan.c_strides, *plan.h_strides,
+             plan.eps, plan.factor, float(r.D)),
+            dict(D=r.D, REF=0 if plan.reference == "diffusers" else 1,
+                 LANES=lanes, XSTEPS=max(lanes.bit_length() - 1 - 5, 0),
+                 WARP_INC=WARP_INC, PASS2=pass2, BLOCK_D=triton.next_power_of_2(r.D), RSQRT_ASM=RSQRT_ASM and not INTERPRET, R=R),
+            dict(num_warps=num_warps, enable_fp_fusion=False),
         )
     else:
         block_d = triton.next_power_of_2(r.D)
         R, num_warps = config or high_launch_shape(block_d, n_rows, x.element_size())
-        _rms_norm_modulate_high_kernel[(cdiv(n_rows, R),)](
-            x, plan.scale, plan.shift, out,
-            n_rows, r.S, r.D, r.sb, r.ss,
-            *plan.c_strides, *plan.h_strides,
-            plan.eps, 1.0 / r.D,
-            R=R, BLOCK_D=block_d, num_warps=num_warps,
+        _launch_high(
+            (cdiv(n_rows, R), 1), tensors,
+            (n_rows, r.S, r.D, r.sb, r.ss, *plan.c_strides, *plan.h_strides, plan.eps, 1.0 / r.D),
+            dict(ROUNDING=HIGH_ROUNDING, R=R, BLOCK_D=block_d),
+            dict(num_warps=num_warps),
         )
     return out
 

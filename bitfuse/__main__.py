@@ -1,0 +1,7 @@
+"""`python -m bitfuse ...`, the same as the `bitfuse` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,872 @@
+"""LTX-2 (diffusers `LTX2VideoTransformer3DModel`): route every adaLN site through bitfuse.
+
+diffusers writes the adaLN modulations and gated residuals inline in
+`LTX2VideoTransformerBlock.forward` and in the model's output head, so this
+module carries faithful copies of those two forwards (and of the RoPE video
+coordinate helper), line by line from diffusers 0.42.1, with only the adaLN
+and residual expressions replaced by site calls:
+
+    norm(x) * (1 + scale) + shift        -> sites.rms_norm_modulate_site(block, norm, x, scale, shift)
+    x * (1 + scale) + shift              -> sites.modulate_site(x, scale, shift, site=block)
+    x + y * gate                         -> sites.gated_residual_site(x, y, gate, site=block)
+    x + gate * y                         -> the same (fp multiplication commutes: bitwise equal)
+    y = y * gate; x = x + y              -> the same (one expression, the same two roundings)
+    norm_out(x) * (1 + scale) + shift    -> sites.layer_norm_modulate_site(model, norm_out, x, scale, shift)
+
+Everything else (attention modules and their processors, feed-forwards, the
+timestep embeddings, RoPE) is called exactly as diffusers calls it, so
+attention backends, processors, LoRA scaling and hooks keep working. The
+modulation parameters are the strided `unbind` views diffusers makes; they go
+to the sites as they are (no densifying copy).
+
+One deliberate difference, bit-neutral: when the forward computes the RoPE
+video coordinates itself (no `video_coords` passed), diffusers builds two small
+tensors with `torch.tensor(list, device=cuda)`, a host-to-device copy of
+pageable memory that breaks CUDA-graph capture. The copy here builds the same
+tensors (same dtype, same values) on the device with fill kernels; everything
+after is the same ops, so the coordinates are bit-identical (tested).
+
+The copies are only valid for the diffusers source they were taken from:
+`accelerate` checks the diffusers version (0.42.x) and the sha256 of the
+source of each copied function, and refuses otherwise unless `force=True`.
+"""
+
+
+import hashlib
+import inspect
+import re
+import threading
+import types
+import warnings
+from typing import Any
+
+import torch
+
+from .. import policy, sites
+from . import UnsupportedModelError
+
+import diffusers  # noqa: E402  (this module is only imported for diffusers models)
+from diffusers.models.transformers.transformer_ltx2 import (  # noqa: E402
+    AudioVisualModelOutput,
+    LTX2AudioVideoRotaryPosEmbed,
+    LTX2VideoTransformer3DModel,
+    LTX2VideoTransformerBlock,
+)
+from diffusers.utils import apply_lora_scale  # noqa: E402
+
+__all__ = [
+    "SUPPORTED_DIFFUSERS",
+    "VERIFIED_SOURCES",
+    "UnsupportedVersionError",
+    "UnsupportedModelError",
+    "AlreadyAcceleratedError",
+    "LTX2Handle",
+    "accelerate",
+    "check_supported",
+    "is_ltx2",
+]
+
+# ---------------------------------------------------------------- what was verified
+
+SUPPORTED_DIFFUSERS = "0.42.x"  # the release line whose forwards were copied (from 0.42.1)
+_SUPPORTED_MINOR = (0, 42)
+
+#: sha256 of `inspect.getsource` of each diffusers function copied (or relied on) here,
+#: as shipped in diffusers 0.42.1. A mismatch means the copy may no longer be faithful.
+VERIFIED_SOURCES = {
+    "LTX2VideoTransformerBlock.forward": "1dbdd9ab731b53b91dbca18b4ccaba624fd0c3a5936e2ee601dc0c7c9e263840",
+    "LTX2VideoTransformerBlock.get_mod_params": "493775244f201a41c4bf0c91a3d01232407a120c89030079d055b2d22792cda7",
+    "LTX2VideoTransformer3DModel.forward": "2f980786b7f8bc59a171e0e7fd9dbe1e7cef8c9c7a61628e8f497f0251df1f9f",
+    "LTX2AudioVideoRotaryPosEmbed.prepare_video_coords": (
+        "b6ef8d04012f7062f849a059eb14c295c64e789042de387713cf97ed219179ee"
+    ),
+}
+
+
+class UnsupportedVersionError(RuntimeError):
+    """The installed diffusers is not one whose LTX-2 forwards bitfuse has verified."""
+
+
+class AlreadyAcceleratedError(RuntimeError):
+    """accelerate() was called again, with different options, on an accelerated model."""
+
+
+def _stock_functions() -> dict:
+    return {
+        "LTX2VideoTransformerBlock.forward": LTX2VideoTransformerBlock.forward,
+        "LTX2VideoTransformerBlock.get_mod_params": LTX2VideoTransformerBlock.get_mod_params,
+        "LTX2VideoTransformer3DModel.forward": inspect.unwrap(LTX2VideoTransformer3DModel.forward),
+        "LTX2AudioVideoRotaryPosEmbed.prepare_video_coords": LTX2AudioVideoRotaryPosEmbed.prepare_video_coords,
+    }
+
+
+def _source_sha(fn) -> str | None:
+    try:
+        return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()
+    except (OSError, TypeError):
+        return None
+
+
+def _version_supported(version: str) -> bool:
+    m = re.match(r"^\s*(\d+)\.(\d+)", version)
+    return m is not None and (int(m.group(1)), int(m.group(2))) == _SUPPORTED_MINOR
+
+
+def check_supported(force: bool = False) -> list[str]:
+    """Refuse (UnsupportedVersionError) a diffusers whose LTX-2 code was not verified:
+    a version outside 0.42.x, or a copied function whose source differs from the one
+    copied. With `force=True`, warn instead. Returns the problems found."""
+    problems = []
+    version = getattr(diffusers, "__version__", "unknown")
+    if not _version_supported(version):
+        problems.append(f"diffusers {version} is outside the supported range {SUPPORTED_DIFFUSERS}")
+    for name, fn in _stock_functions().items():
+        sha = _source_sha(fn)
+        if sha is None:
+            problems.append(f"the source of diffusers' {name} cannot be read to verify it")
+        elif sha != VERIFIED_SOURCES[name]:
+            problems.append(
+                f"diffusers' {name} differs from the source bitfuse copied "
+                f"(sha256 {sha[:12]}, verified {VERIFIED_SOURCES[name][:12]})"
+            )
+    if problems:
+        msg = (
+            "bitfuse's LTX-2 forwards are faithful copies of diffusers "
+            f"{SUPPORTED_DIFFUSERS} (verified on 0.42.1): " + "; ".join(problems)
+        )
+        if not force:
+            raise UnsupportedVersionError(
+                msg + ". Install diffusers 0.42.x, or pass force=True to accelerate anyway "
+                "(output may then differ from this diffusers' model)."
+            )
+        warnings.warn(msg + "; accelerating anyway because force=True", UserWarning, stacklevel=3)
+    return problems
+
+
+# ---------------------------------------------------------------- faithful forwards
+
+
+def _block_forward(
+    self,
+    hidden_states: torch.Tensor,
+    audio_hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    audio_encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    temb_audio: torch.Tensor,
+    temb_ca_scale_shift: torch.Tensor,
+    temb_ca_audio_scale_shift: torch.Tensor,
+    temb_ca_gate: torch.Tensor,
+    temb_ca_audio_gate: torch.Tensor,
+    temb_prompt: torch.Tensor | None = None,
+    temb_prompt_audio: torch.Tensor | None = None,
+    video_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    audio_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ca_video_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ca_audio_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    encoder_attention_mask: torch.Tensor | None = None,
+    audio_encoder_attention_mask: torch.Tensor | None = None,
+    self_attention_mask: torch.Tensor | None = None,
+    audio_self_attention_mask: torch.Tensor | None = None,
+    a2v_cross_attention_mask: torch.Tensor | None = None,
+    v2a_cross_attention_mask: torch.Tensor | None = None,
+    use_a2v_cross_attention: bool = True,
+    use_v2a_cross_attention: bool = True,
+    perturbation_mask: torch.Tensor | None = None,
+    all_perturbed: bool | None = None,
+) -> torch.Tensor:
+    """diffusers 0.42.1 `LTX2VideoTransformerBlock.forward`, adaLN sites routed through bitfuse."""
+    batch_size = hidden_states.size(0)
+
+    # 1. Video and Audio Self-Attention
+    # 1.1. Video Self-Attention
+    video_ada_params = self.get_mod_params(self.scale_shift_table, temb, batch_size)
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = video_ada_params[:6]
+    if self.video_cross_attn_adaln:
+        shift_text_q, scale_text_q, gate_text_q = video_ada_params[6:9]
+
+    # diffusers: norm_hidden_states = self.norm1(hidden_states) * (1 + scale_msa) + shift_msa
+    norm_hidden_states = sites.rms_norm_modulate_site(self, self.norm1, hidden_states, scale_msa, shift_msa)
+
+    video_self_attn_args = {
+        "hidden_states": norm_hidden_states,
+        "encoder_hidden_states": None,
+        "query_rotary_emb": video_rotary_emb,
+        "attention_mask": self_attention_mask,
+    }
+    if self.perturbed_attn:
+        video_self_attn_args["perturbation_mask"] = perturbation_mask
+        video_self_attn_args["all_perturbed"] = all_perturbed
+
+    attn_hidden_states = self.attn1(**video_self_attn_args)
+    # diffusers: hidden_states = hidden_states + attn_hidden_states * gate_msa
+    hidden_states = sites.gated_residual_site(hidden_states, attn_hidden_states, gate_msa, site=self)
+
+    # 1.2. Audio Self-Attention
+    audio_ada_params = self.get_mod_params(self.audio_scale_shift_table, temb_audio, batch_size)
+    audio_shift_msa, audio_scale_msa, audio_gate_msa, audio_shift_mlp, audio_scale_mlp, audio_gate_mlp = (
+        audio_ada_params[:6]
+    )
+    if self.audio_cross_attn_adaln:
+        audio_shift_text_q, audio_scale_text_q, audio_gate_text_q = audio_ada_params[6:9]
+
+    # diffusers: self.audio_norm1(audio_hidden_states) * (1 + audio_scale_msa) + audio_shift_msa
+    norm_audio_hidden_states = sites.rms_norm_modulate_site(
+        self, self.audio_norm1, audio_hidden_states, audio_scale_msa, audio_shift_msa
+    )
+
+    audio_self_attn_args = {
+        "hidden_states": norm_audio_hidden_states,
+        "encoder_hidden_states": None,
+        "query_rotary_emb": audio_rotary_emb,
+        "attention_mask": audio_self_attention_mask,
+    }
+    if self.perturbed_attn:
+        audio_self_attn_args["perturbation_mask"] = perturbation_mask
+        audio_self_attn_args["all_perturbed"] = all_perturbed
+
+    attn_audio_hidden_states = self.audio_attn1(**audio_self_attn_args)
+    # diffusers: audio_hidden_states = audio_hidden_states + attn_audio_hidden_states * audio_gate_msa
+    audio_hidden_states = sites.gated_residual_site(
+        audio_hidden_states, attn_audio_hidden_states, audio_gate_msa, site=self
+    )
+
+    # 2. Video and Audio Cross-Attention with the text embeddings (Q: Video or Audio; K,V: Text)
+    if self.cross_attn_adaln:
+        # `temb_prompt`/`temb_prompt_audio` are `None` when `use_prompt_adaln_single=False` (KV-cacheable
+        # cross-attention): the prompt-side scale/shift is then timestep-independent, so only the static
+        # per-layer table is used.
+        if temb_prompt is not None:
+            shift_text_kv, scale_text_kv = self.get_mod_params(self.prompt_scale_shift_table, temb_prompt, batch_size)
+        else:
+            shift_text_kv, scale_text_kv = (
+                self.prompt_scale_shift_table[None, None]
+                .to(device=hidden_states.device, dtype=hidden_states.dtype)
+                .unbind(dim=2)
+            )
+
+        if temb_prompt_audio is not None:
+            audio_shift_text_kv, audio_scale_text_kv = self.get_mod_params(
+                self.audio_prompt_scale_shift_table, temb_prompt_audio, batch_size
+            )
+        else:
+            audio_shift_text_kv, audio_scale_text_kv = (
+                self.audio_prompt_scale_shift_table[None, None]
+                .to(device=audio_hidden_states.device, dtype=audio_hidden_states.dtype)
+                .unbind(dim=2)
+            )
+
+    # 2.1. Video-Text Cross-Attention (Q: Video; K,V: Text)
+    if self.video_cross_attn_adaln:
+        # diffusers: self.norm2(hidden_states) * (1 + scale_text_q) + shift_text_q
+        norm_hidden_states = sites.rms_norm_modulate_site(self, self.norm2, hidden_states, scale_text_q, shift_text_q)
+    else:
+        norm_hidden_states = self.norm2(hidden_states)
+    if self.cross_attn_adaln:
+        # diffusers: encoder_hidden_states * (1 + scale_text_kv) + shift_text_kv
+        encoder_hidden_states = sites.modulate_site(encoder_hidden_states, scale_text_kv, shift_text_kv, site=self)
+
+    attn_hidden_states = self.attn2(
+        norm_hidden_states,
+        encoder_hidden_states=encoder_hidden_states,
+        query_rotary_emb=None,
+        attention_mask=encoder_attention_mask,
+    )
+    if self.video_cross_attn_adaln:
+        # diffusers: attn_hidden_states = attn_hidden_states * gate_text_q; hidden_states + attn_hidden_states
+        hidden_states = sites.gated_residual_site(hidden_states, attn_hidden_states, gate_text_q, site=self)
+    else:
+        hidden_states = hidden_states + attn_hidden_states
+
+    # 2.2. Audio-Text Cross-Attention
+    if self.audio_cross_attn_adaln:
+        # diffusers: self.audio_norm2(audio_hidden_states) * (1 + audio_scale_text_q) + audio_shift_text_q
+        norm_audio_hidden_states = sites.rms_norm_modulate_site(
+            self, self.audio_norm2, audio_hidden_states, audio_scale_text_q, audio_shift_text_q
+        )
+    else:
+        norm_audio_hidden_states = self.audio_norm2(audio_hidden_states)
+    if self.cross_attn_adaln:
+        # diffusers: audio_encoder_hidden_states * (1 + audio_scale_text_kv) + audio_shift_text_kv
+        audio_encoder_hidden_states = sites.modulate_site(
+            audio_encoder_hidden_states, audio_scale_text_kv, audio_shift_text_kv, site=self
+        )
+
+    attn_audio_hidden_states = self.audio_attn2(
+        norm_audio_hidden_states,
+        encoder_hidden_states=audio_encoder_hidden_states,
+        query_rotary_emb=None,
+        attention_mask=audio_encoder_attention_mask,
+    )
+    if self.audio_cross_attn_adaln:
+        # diffusers: attn_audio_hidden_states * audio_gate_text_q; audio_hidden_states + attn_audio_hidden_states
+        audio_hidden_states = sites.gated_residual_site(
+            audio_hidden_states, attn_audio_hidden_states, audio_gate_text_q, site=self
+        )
+    else:
+        audio_hidden_states = audio_hidden_states + attn_audio_hidden_states
+
+    # 3. Audio-to-Video (a2v) and Video-to-Audio (v2a) Cross-Attention
+    if use_a2v_cross_attention or use_v2a_cross_attention:
+        # one normed tensor each, modulated twice below (a2v and v2a), as diffusers does
+        norm_hidden_states = self.audio_to_video_norm(hidden_states)
+        norm_audio_hidden_states = self.video_to_audio_norm(audio_hidden_states)
+
+        # 3.1. Combine global and per-layer cross attention modulation parameters
+        # Video
+        video_per_layer_ca_scale_shift = self.video_a2v_cross_attn_scale_shift_table[:4, :]
+        video_per_layer_ca_gate = self.video_a2v_cross_attn_scale_shift_table[4:, :]
+
+        video_ca_ada_params = self.get_mod_params(video_per_layer_ca_scale_shift, temb_ca_scale_shift, batch_size)
+        video_ca_gate_param = self.get_mod_params(video_per_layer_ca_gate, temb_ca_gate, batch_size)
+
+        video_a2v_ca_scale, video_a2v_ca_shift, video_v2a_ca_scale, video_v2a_ca_shift = video_ca_ada_params
+        a2v_gate = video_ca_gate_param[0].squeeze(2)
+
+        # Audio
+        audio_per_layer_ca_scale_shift = self.audio_a2v_cross_attn_scale_shift_table[:4, :]
+        audio_per_layer_ca_gate = self.audio_a2v_cross_attn_scale_shift_table[4:, :]
+
+        audio_ca_ada_params = self.get_mod_params(audio_per_layer_ca_scale_shift, temb_ca_audio_scale_shift, batch_size)
+        audio_ca_gate_param = self.get_mod_params(audio_per_layer_ca_gate, temb_ca_audio_gate, batch_size)
+
+        audio_a2v_ca_scale, audio_a2v_ca_shift, audio_v2a_ca_scale, audio_v2a_ca_shift = audio_ca_ada_params
+        v2a_gate = audio_ca_gate_param[0].squeeze(2)
+
+        # 3.2. Audio-to-Video Cross Attention: Q: Video; K,V: Audio
+        if use_a2v_cross_attention:
+            # diffusers: norm_hidden_states * (1 + video_a2v_ca_scale.squeeze(2)) + video_a2v_ca_shift.squeeze(2)
+            mod_norm_hidden_states = sites.modulate_site(
+                norm_hidden_states, video_a2v_ca_scale.squeeze(2), video_a2v_ca_shift.squeeze(2), site=self
+            )
+            mod_norm_audio_hidden_states = sites.modulate_site(
+                norm_audio_hidden_states, audio_a2v_ca_scale.squeeze(2), audio_a2v_ca_shift.squeeze(2), site=self
+            )
+
+            a2v_attn_hidden_states = self.audio_to_video_attn(
+                mod_norm_hidden_states,
+                encoder_hidden_states=mod_norm_audio_hidden_states,
+                query_rotary_emb=ca_video_rotary_emb,
+                key_rotary_emb=ca_audio_rotary_emb,
+                attention_mask=a2v_cross_attention_mask,
+            )
+
+            # diffusers: hidden_states + a2v_gate * a2v_attn_hidden_states (the product commutes bitwise)
+            hidden_states = sites.gated_residual_site(hidden_states, a2v_attn_hidden_states, a2v_gate, site=self)
+
+        # 3.3. Video-to-Audio Cross Attention: Q: Audio; K,V: Video
+        if use_v2a_cross_attention:
+            mod_norm_hidden_states = sites.modulate_site(
+                norm_hidden_states, video_v2a_ca_scale.squeeze(2), video_v2a_ca_shift.squeeze(2), site=self
+            )
+            mod_norm_audio_hidden_states = sites.modulate_site(
+                norm_audio_hidden_states, audio_v2a_ca_scale.squeeze(2), audio_v2a_ca_shift.squeeze(2), site=self
+            )
+
+            v2a_attn_hidden_states = self.video_to_audio_attn(
+                mod_norm_audio_hidden_states,
+                encoder_hidden_states=mod_norm_hidden_states,
+                query_rotary_emb=ca_audio_rotary_emb,
+                key_rotary_emb=ca_video_rotary_emb,
+                attention_mask=v2a_cross_attention_mask,
+            )
+
+            # diffusers: audio_hidden_states + v2a_gate * v2a_attn_hidden_states
+            audio_hidden_states = sites.gated_residual_site(
+                audio_hidden_states, v2a_attn_hidden_states, v2a_gate, site=self
+            )
+
+    # 4. Feedforward
+    # diffusers: self.norm3(hidden_states) * (1 + scale_mlp) + shift_mlp
+    norm_hidden_states = sites.rms_norm_modulate_site(self, self.norm3, hidden_states, scale_mlp, shift_mlp)
+    ff_output = self.ff(norm_hidden_states)
+    # diffusers: hidden_states + ff_output * gate_mlp
+    hidden_states = sites.gated_residual_site(hidden_states, ff_output, gate_mlp, site=self)
+
+    norm_audio_hidden_states = sites.rms_norm_modulate_site(
+        self, self.audio_norm3, audio_hidden_states, audio_scale_mlp, audio_shift_mlp
+    )
+    audio_ff_output = self.audio_ff(norm_audio_hidden_states)
+    audio_hidden_states = sites.gated_residual_site(audio_hidden_states, audio_ff_output, audio_gate_mlp, site=self)
+
+    return hidden_states, audio_hidden_states
+
+
+def _on_device(values, dtype: torch.dtype, device) -> torch.Tensor:
+    """`torch.tensor(values, dtype=dtype, device=device)` without the pageable
+    host-to-device copy: one fill per element, the same dtype and values."""
+    return torch.stack([torch.full((), v, dtype=dtype, device=device) for v in values])
+
+
+def _prepare_video_coords(
+    self,
+    batch_size: int,
+    num_frames: int,
+    height: int,
+    width: int,
+    device: torch.device,
+    fps: float = 24.0,
+) -> torch.Tensor:
+    """diffusers 0.42.1 `LTX2AudioVideoRotaryPosEmbed.prepare_video_coords` with its two
+    `torch.tensor(list, device=...)` built on the device (`_on_device`); the same bits."""
+    # 1. Generate grid coordinates for each spatiotemporal dimension (frames, height, width)
+    # Always compute rope in fp32
+    grid_f = torch.arange(start=0, end=num_frames, step=self.patch_size_t, dtype=torch.float32, device=device)
+    grid_h = torch.arange(start=0, end=height, step=self.patch_size, dtype=torch.float32, device=device)
+    grid_w = torch.arange(start=0, end=width, step=self.patch_size, dtype=torch.float32, device=device)
+    # indexing='ij' ensures that the dimensions are kept in order as (frames, height, width)
+    grid = torch.meshgrid(grid_f, grid_h, grid_w, indexing="ij")
+    grid = torch.stack(grid, dim=0)  # [3, N_F, N_H, N_W], where e.g. N_F is the number of temporal patches
+
+    # 2. Get the patch boundaries with respect to the latent video grid
+    patch_size = (self.patch_size_t, self.patch_size, self.patch_size)
+    # diffusers: torch.tensor(patch_size, dtype=grid.dtype, device=grid.device)
+    patch_size_delta = _on_device(patch_size, grid.dtype, grid.device)
+    patch_ends = grid + patch_size_delta.view(3, 1, 1, 1)
+
+    # Combine the start (grid) and end (patch_ends) coordinates along new trailing dimension
+    latent_coords = torch.stack([grid, patch_ends], dim=-1)  # [3, N_F, N_H, N_W, 2]
+    # Reshape to (batch_size, 3, num_patches, 2)
+    latent_coords = latent_coords.flatten(1, 3)
+    latent_coords = latent_coords.unsqueeze(0).repeat(batch_size, 1, 1, 1)
+
+    # 3. Calculate the pixel space patch boundaries from the latent boundaries.
+    # diffusers: torch.tensor(self.scale_factors, device=latent_coords.device) (dtype inferred on the host)
+    scale_tensor = _on_device(self.scale_factors, torch.tensor(self.scale_factors).dtype, latent_coords.device)
+    # Broadcast the VAE scale factors such that they are compatible with latent_coords's shape
+    broadcast_shape = [1] * latent_coords.ndim
+    broadcast_shape[1] = -1  # This is the (frame, height, width) dim
+    # Apply per-axis scaling to convert latent coordinates to pixel space coordinates
+    pixel_coords = latent_coords * scale_tensor.view(*broadcast_shape)
+
+    # As the VAE temporal stride for the first frame is 1 instead of self.vae_scale_factors[0], we need to shift
+    # and clamp to keep the first-frame timestamps causal and non-negative.
+    pixel_coords[:, 0, ...] = (pixel_coords[:, 0, ...] + self.causal_offset - self.scale_factors[0]).clamp(min=0)
+
+    # Scale the temporal coordinates by the video FPS
+    pixel_coords[:, 0, ...] = pixel_coords[:, 0, ...] / fps
+
+    return pixel_coords
+
+
+def _video_coords(rope, *args, **kwargs):
+    if type(rope).prepare_video_coords is LTX2AudioVideoRotaryPosEmbed.prepare_video_coords:
+        return _prepare_video_coords(rope, *args, **kwargs)
+    return rope.prepare_video_coords(*args, **kwargs)
+
+
+@apply_lora_scale("attention_kwargs")
+def _model_forward(
+    self,
+    hidden_states: torch.Tensor,
+    audio_hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    audio_encoder_hidden_states: torch.Tensor,
+    timestep: torch.LongTensor,
+    audio_timestep: torch.LongTensor | None = None,
+    sigma: torch.Tensor | None = None,
+    audio_sigma: torch.Tensor | None = None,
+    encoder_attention_mask: torch.Tensor | None = None,
+    audio_encoder_attention_mask: torch.Tensor | None = None,
+    num_frames: int | None = None,
+    height: int | None = None,
+    width: int | None = None,
+    fps: float = 24.0,
+    audio_num_frames: int | None = None,
+    video_coords: torch.Tensor | None = None,
+    audio_coords: torch.Tensor | None = None,
+    isolate_modalities: bool = False,
+    spatio_temporal_guidance_blocks: list[int] | None = None,
+    perturbation_mask: torch.Tensor | None = None,
+    use_cross_timestep: bool = False,
+    attention_kwargs: dict[str, Any] | None = None,
+    video_self_attention_mask: torch.Tensor | None = None,
+    video_keyframes_mask: torch.Tensor | None = None,
+    return_dict: bool = True,
+) -> torch.Tensor:
+    """diffusers 0.42.1 `LTX2VideoTransformer3DModel.forward`, output-head adaLN routed
+    through bitfuse and RoPE video coordinates built on the device."""
+    # Determine timestep for audio.
+    audio_timestep = audio_timestep if audio_timestep is not None else timestep
+    audio_sigma = audio_sigma if audio_sigma is not None else sigma
+
+    # convert encoder_attention_mask to a bias the same way we do for attention_mask
+    if encoder_attention_mask is not None and encoder_attention_mask.ndim == 2:
+        encoder_attention_mask = (1 - encoder_attention_mask.to(hidden_states.dtype)) * -10000.0
+        encoder_attention_mask = encoder_attention_mask.unsqueeze(1)
+
+    if audio_encoder_attention_mask is not None and audio_encoder_attention_mask.ndim == 2:
+        audio_encoder_attention_mask = (1 - audio_encoder_attention_mask.to(audio_hidden_states.dtype)) * -10000.0
+        audio_encoder_attention_mask = audio_encoder_attention_mask.unsqueeze(1)
+
+    # Convert video_self_attention_mask from multiplicative mask ([0, 1]) to additive bias form (0 / -10000)
+    # matching the encoder_attention_mask convention above. Shape is preserved: (B, T_v, T_v).
+    if video_self_attention_mask is not None:
+        video_self_attention_mask = (1 - video_self_attention_mask.to(hidden_states.dtype)) * -10000.0
+
+    batch_size = hidden_states.size(0)
+
+    # 1. Prepare RoPE positional embeddings
+    if video_coords is None:
+        # diffusers: self.rope.prepare_video_coords(...) (bitfuse: no host-to-device copy inside)
+        video_coords = _video_coords(self.rope, batch_size, num_frames, height, width, hidden_states.device, fps=fps)
+    if audio_coords is None:
+        audio_coords = self.audio_rope.prepare_audio_coords(batch_size, audio_num_frames, audio_hidden_states.device)
+
+    video_rotary_emb = self.rope(video_coords, device=hidden_states.device)
+    audio_rotary_emb = self.audio_rope(audio_coords, device=audio_hidden_states.device)
+
+    video_cross_attn_rotary_emb = self.cross_attn_rope(video_coords[:, 0:1, :], device=hidden_states.device)
+    audio_cross_attn_rotary_emb = self.cross_attn_audio_rope(audio_coords[:, 0:1, :], device=audio_hidden_states.device)
+
+    # 2. Patchify input projections
+    hidden_states = self.proj_in(hidden_states)
+    audio_hidden_states = self.audio_proj_in(audio_hidden_states)
+
+    # 2.1. Mark tokens whose latent encodes a single pixel frame (causal first frame, generated keyframe slots).
+    if self.config.use_keyframes_abs_pos_embedding and video_keyframes_mask is not None:
+        marker = (video_keyframes_mask > 0).to(dtype=hidden_states.dtype)
+        hidden_states = hidden_states + marker * self.keyframes_abs_pos_embedding.to(dtype=hidden_states.dtype)
+
+    # 3. Prepare timestep embeddings and modulation parameters
+    timestep_cross_attn_gate_scale_factor = (
+        self.config.cross_attn_timestep_scale_multiplier / self.config.timestep_scale_multiplier
+    )
+
+    # 3.1. Prepare global modality (video and audio) timestep embedding and modulation parameters
+    # temb is used in the transformer blocks (as expected), while embedded_timestep is used for the output layer
+    # modulation with scale_shift_table (and similarly for audio)
+    temb, embedded_timestep = self.time_embed(
+        timestep.flatten(),
+        batch_size=batch_size,
+        hidden_dtype=hidden_states.dtype,
+    )
+    temb = temb.view(batch_size, -1, temb.size(-1))
+    embedded_timestep = embedded_timestep.view(batch_size, -1, embedded_timestep.size(-1))
+
+    temb_audio, audio_embedded_timestep = self.audio_time_embed(
+        audio_timestep.flatten(),
+        batch_size=batch_size,
+        hidden_dtype=audio_hidden_states.dtype,
+    )
+    temb_audio = temb_audio.view(batch_size, -1, temb_audio.size(-1))
+    audio_embedded_timestep = audio_embedded_timestep.view(batch_size, -1, audio_embedded_timestep.size(-1))
+
+    if self.prompt_modulation and self.config.use_prompt_adaln_single:
+        # LTX-2.3
+        temb_prompt, _ = self.prompt_adaln(sigma.flatten(), batch_size=batch_size, hidden_dtype=hidden_states.dtype)
+        temb_prompt_audio, _ = self.audio_prompt_adaln(
+            audio_sigma.flatten(), batch_size=batch_size, hidden_dtype=audio_hidden_states.dtype
+        )
+        temb_prompt = temb_prompt.view(batch_size, -1, temb_prompt.size(-1))
+        temb_prompt_audio = temb_prompt_audio.view(batch_size, -1, temb_prompt_audio.size(-1))
+    else:
+        temb_prompt = temb_prompt_audio = None
+
+    # 3.2. Prepare global modality cross attention modulation parameters
+    video_ca_timestep = audio_sigma.flatten() if use_cross_timestep else timestep.flatten()
+    video_cross_attn_scale_shift, _ = self.av_cross_attn_video_scale_shift(
+        video_ca_timestep,
+        batch_size=batch_size,
+        hidden_dtype=hidden_states.dtype,
+    )
+    video_cross_attn_a2v_gate, _ = self.av_cross_attn_video_a2v_gate(
+        video_ca_timestep * timestep_cross_attn_gate_scale_factor,
+        batch_size=batch_size,
+        hidden_dtype=hidden_states.dtype,
+    )
+    video_cross_attn_scale_shift = video_cross_attn_scale_shift.view(
+        batch_size, -1, video_cross_attn_scale_shift.shape[-1]
+    )
+    video_cross_attn_a2v_gate = video_cross_attn_a2v_gate.view(batch_size, -1, video_cross_attn_a2v_gate.shape[-1])
+
+    audio_ca_timestep = sigma.flatten() if use_cross_timestep else audio_timestep.flatten()
+    audio_cross_attn_scale_shift, _ = self.av_cross_attn_audio_scale_shift(
+        audio_ca_timestep,
+        batch_size=batch_size,
+        hidden_dtype=audio_hidden_states.dtype,
+    )
+    audio_cross_attn_v2a_gate, _ = self.av_cross_attn_audio_v2a_gate(
+        audio_ca_timestep * timestep_cross_attn_gate_scale_factor,
+        batch_size=batch_size,
+        hidden_dtype=audio_hidden_states.dtype,
+    )
+    audio_cross_attn_scale_shift = audio_cross_attn_scale_shift.view(
+        batch_size, -1, audio_cross_attn_scale_shift.shape[-1]
+    )
+    audio_cross_attn_v2a_gate = audio_cross_attn_v2a_gate.view(batch_size, -1, audio_cross_attn_v2a_gate.shape[-1])
+
+    # 4. Prepare prompt embeddings (LTX-2.0)
+    if self.config.use_prompt_embeddings:
+        encoder_hidden_states = self.caption_projection(encoder_hidden_states)
+        encoder_hidden_states = encoder_hidden_states.view(batch_size, -1, hidden_states.size(-1))
+
+        audio_encoder_hidden_states = self.audio_caption_projection(audio_encoder_hidden_states)
+        audio_encoder_hidden_states = audio_encoder_hidden_states.view(batch_size, -1, audio_hidden_states.size(-1))
+
+    # 5. Run transformer blocks
+    spatio_temporal_guidance_blocks = spatio_temporal_guidance_blocks or []
+    if len(spatio_temporal_guidance_blocks) > 0 and perturbation_mask is None:
+        # If STG is being used and perturbation_mask is not supplied, default to perturbing all batch elements.
+        perturbation_mask = torch.zeros((batch_size,))
+    if perturbation_mask is not None and perturbation_mask.ndim == 1:
+        perturbation_mask = perturbation_mask[:, None, None]  # unsqueeze to 3D to broadcast with hidden_states
+    all_perturbed = torch.all(perturbation_mask == 0) if perturbation_mask is not None else False
+    stg_blocks = set(spatio_temporal_guidance_blocks)
+
+    for block_idx, block in enumerate(self.transformer_blocks):
+        block_perturbation_mask = perturbation_mask if block_idx in stg_blocks else None
+        block_all_perturbed = all_perturbed if block_idx in stg_blocks else False
+
+        if torch.is_grad_enabled() and self.gradient_checkpointing:
+            hidden_states, audio_hidden_states = self._gradient_checkpointing_func(
+                block,
+                hidden_states,
+                audio_hidden_states,
+                encoder_hidden_states,
+                audio_encoder_hidden_states,
+                temb,
+                temb_audio,
+                video_cross_attn_scale_shift,
+                audio_cross_attn_scale_shift,
+                video_cross_attn_a2v_gate,
+                audio_cross_attn_v2a_gate,
+                temb_prompt,
+                temb_prompt_audio,
+                video_rotary_emb,
+                audio_rotary_emb,
+                video_cross_attn_rotary_emb,
+                audio_cross_attn_rotary_emb,
+                encoder_attention_mask,
+                audio_encoder_attention_mask,
+                video_self_attention_mask,  # self_attention_mask (video-only)
+                None,  # audio_self_attention_mask
+                None,  # a2v_cross_attention_mask
+                None,  # v2a_cross_attention_mask
+                not isolate_modalities,  # use_a2v_cross_attention
+                not isolate_modalities,  # use_v2a_cross_attention
+                block_perturbation_mask,
+                block_all_perturbed,
+            )
+        else:
+            hidden_states, audio_hidden_states = block(
+                hidden_states=hidden_states,
+                audio_hidden_states=audio_hidden_states,
+                encoder_hidden_states=encoder_hidden_states,
+                audio_encoder_hidden_states=audio_encoder_hidden_states,
+                temb=temb,
+                temb_audio=temb_audio,
+                temb_ca_scale_shift=video_cross_attn_scale_shift,
+                temb_ca_audio_scale_shift=audio_cross_attn_scale_shift,
+                temb_ca_gate=video_cross_attn_a2v_gate,
+                temb_ca_audio_gate=audio_cross_attn_v2a_gate,
+                temb_prompt=temb_prompt,
+                temb_prompt_audio=temb_prompt_audio,
+                video_rotary_emb=video_rotary_emb,
+                audio_rotary_emb=audio_rotary_emb,
+                ca_video_rotary_emb=video_cross_attn_rotary_emb,
+                ca_audio_rotary_emb=audio_cross_attn_rotary_emb,
+                encoder_attention_mask=encoder_attention_mask,
+                audio_encoder_attention_mask=audio_encoder_attention_mask,
+                self_attention_mask=video_self_attention_mask,
+                audio_self_attention_mask=None,
+                a2v_cross_attention_mask=None,
+                v2a_cross_attention_mask=None,
+                use_a2v_cross_attention=not isolate_modalities,
+                use_v2a_cross_attention=not isolate_modalities,
+                perturbation_mask=block_perturbation_mask,
+                all_perturbed=block_all_perturbed,
+            )
+
+    # 6. Output layers (including unpatchification)
+    scale_shift_values = self.scale_shift_table[None, None] + embedded_timestep[:, :, None]
+    shift, scale = scale_shift_values[:, :, 0], scale_shift_values[:, :, 1]
+
+    # diffusers: hidden_states = self.norm_out(hidden_states); hidden_states * (1 + scale) + shift
+    hidden_states = sites.layer_norm_modulate_site(self, self.norm_out, hidden_states, scale, shift)
+    output = self.proj_out(hidden_states)
+
+    audio_scale_shift_values = self.audio_scale_shift_table[None, None] + audio_embedded_timestep[:, :, None]
+    audio_shift, audio_scale = audio_scale_shift_values[:, :, 0], audio_scale_shift_values[:, :, 1]
+
+    audio_hidden_states = sites.layer_norm_modulate_site(
+        self, self.audio_norm_out, audio_hidden_states, audio_scale, audio_shift
+    )
+    audio_output = self.audio_proj_out(audio_hidden_states)
+
+    if not return_dict:
+        return (output, audio_output)
+    return AudioVisualModelOutput(sample=output, audio_sample=audio_output)
+
+
+# ---------------------------------------------------------------- installing per instance
+
+
+def _is_bound(f, func, module) -> bool:
+    return isinstance(f, types.MethodType) and f.__func__ is func and f.__self__ is module
+
+
+def _slots(module):
+    """Places that can hold a module's innermost forward: the instance attribute
+    (no wrapper), HF accelerate's `_old_forward` (cpu offload hooks), and the
+    function references of diffusers' hook registry (group offloading, caches, ...)."""
+    yield module.__dict__, "forward"
+    if "_old_forward" in module.__dict__:
+        yield module.__dict__, "_old_forward"
+    registry = module.__dict__.get("_diffusers_hook")
+    for ref in getattr(registry, "_fn_refs", ()):
+        yield ref.__dict__, "forward"
+        yield ref.__dict__, "original_forward"
+
+
+class _Install:
+    """Our forward in place of the stock one on one module instance."""
+
+    __slots__ = ("module", "stock", "ours")
+
+    def __init__(self, module, stock_func, our_func):
+        self.module = module
+        self.stock = stock_func
+        self.ours = types.MethodType(our_func, module)
+        if "forward" not in module.__dict__:
+            # the common case: forward is the class's; shadow it on the instance
+            module.__dict__["forward"] = self.ours
+            return
+        # something already wraps this instance's forward (hooks): replace the stock
+        # forward where the wrapper keeps it, so the wrapper keeps working around ours
+        for holder, key in _slots(module):
+            if _is_bound(holder.get(key), stock_func, module):
+                holder[key] = self.ours
+                return
+        raise UnsupportedModelError(
+            f"the forward of {type(module).__name__} is wrapped by something bitfuse does not recognise "
+            f"({module.__dict__['forward']!r}); accelerate the model before wrapping it"
+        )
+
+    def undo(self) -> None:
+        module = self.module
+        for holder, key in _slots(module):
+            if holder.get(key) is self.ours:
+                if holder is module.__dict__ and key == "forward":
+                    del holder[key]  # the class forward shows through again
+                else:
+                    holder[key] = types.MethodType(self.stock, module)
+
+
+# ---------------------------------------------------------------- the handle
+
+
+class LTX2Handle:
+    """What `accelerate` installed on one LTX-2 transformer.
+
+    model: the transformer. quality: the tier mounted on its sites.
+    restore(): the stock forwards back, sites unmarked (idempotent).
+    graphs: whatever `bitfuse.graphs.wrap_model_for_graphs` returned (cuda_graphs=True),
+    restored first by `restore()` if it has a `restore` method."""
+
+    def __init__(self, model, quality: str):
+        self.model = model
+        self.quality = quality
+        self.blocks = list(model.transformer_blocks)
+        self.graphs = None
+        self.pipeline = None
+        self._installs: list[_Install] = []
+        self._marked: list[torch.nn.Module] = []
+        self.active = False
+
+    @property
+    def sites(self) -> list:
+        return sites.sites_of(self.model) if self.active else []
+
+    def restore(self) -> None:
+        with _lock:
+            if self.graphs is not None and hasattr(self.graphs, "restore"):
+                self.graphs.restore()
+            self.graphs = None
+            for inst in reversed(self._installs):
+                inst.undo()
+            self._installs.clear()
+            for m in self._marked:
+                sites.unmark_site(m)
+            self._marked.clear()
+            if self.model.__dict__.get("_bitfuse_handle") is self:
+                del self.model.__dict__["_bitfuse_handle"]
+            self.active = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.restore()
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "restored"
+        return f"<bitfuse LTX2Handle {state}: {len(self.blocks)} blocks + head, quality={self.quality!r}>"
+
+
+_lock = threading.RLock()
+
+
+def _fused_norms(block) -> tuple:
+    """The norms a block feeds to norm+modulate sites (what a tier's one-pass kernel
+    must handle). The a2v/v2a norms are not among them: each output is modulated
+    twice, so they run as the plain norm followed by two modulate sites."""
+    norms = [block.norm1, block.audio_norm1]
+    if block.video_cross_attn_adaln:
+        norms.append(block.norm2)
+    if block.audio_cross_attn_adaln:
+        norms.append(block.audio_norm2)
+    return tuple(norms + [block.norm3, block.audio_norm3])
+
+
+def is_ltx2(model) -> bool:
+    return isinstance(model, LTX2VideoTransformer3DModel)
+
+
+def accelerate(model, *, quality: str = "lossless", force: bool = False) -> LTX2Handle:
+    """Install bitfuse's faithful forwards on `model` (an `LTX2VideoTransformer3DModel`)
+    and its blocks, mark them as sites and mount `quality` (all or nothing).
+    Called again with the same quality, returns the existing handle."""
+    policy.check_tier(quality)
+    if not is_ltx2(model):
+        raise UnsupportedModelError(f"expected diffusers' LTX2VideoTransformer3DModel, got {type(model).__name__}")
+    with _lock:
+        existing = model.__dict__.get("_bitfuse_handle")
+        if existing is not None and existing.active:
+            if existing.quality == quality:
+                return existing
+            raise AlreadyAcceleratedError(
+                f"this model is already accelerated with quality={existing.quality!r}; call "
+                f"handle.restore() first, or switch tiers per call with bitfuse.quality({quality!r})"
+            )
+        check_supported(force)
+        if type(model).forward is not LTX2VideoTransformer3DModel.forward:
+            raise UnsupportedModelError(
+                f"{type(model).__name__} overrides LTX2VideoTransformer3DModel.forward; bitfuse would replace it"
+            )
+        blocks = list(model.transformer_blocks)
+        for i, block in enumerate(blocks):
+            if type(block).forward is not LTX2VideoTransformerBlock.forward:
+                raise UnsupportedModelError(
+                    f"transformer_blocks[{i}] is {type(block).__name__}, whose forward is not "
+                    "LTX2VideoTransformerBlock.forward; bitfuse would replace it"
+                )
+            if getattr(block, "_bitfuse_site", None) is not None:
+                raise AlreadyAcceleratedError(f"transformer_blocks[{i}] is already marked as a bitfuse site")
+
+        handle = LTX2Handle(model, quality)
+        try:
+            for i, block in enumerate(blocks):
+                handle._installs.append(_Install(block, LTX2VideoTransformerBlock.forward, _block_forward))
+                sites.mark_site(block, f"transformer_blocks.{i}", norms=_fused_norms(block))
+                handle._marked.append(block)
+            handle._installs.append(_Install(model, LTX2VideoTransformer3DModel.forward, _model_forward))
+            sites.mark_site(model, "head", norms=(model.norm_out, model.audio_norm_out))
+            handle._marked.append(model)
+            handle.active = True
+            model.__dict__["_bitfuse_handle"] = handle
+            sites.mount(model, quality)
+        except BaseException:
+            handle.restore()
+            raise
+        return handle
