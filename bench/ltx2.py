@@ -208,6 +208,21 @@ class Bitfuse(Mode):
             self.handle = None
 
 
+class EagerGraphs(Mode):
+    """Stock diffusers replayed from CUDA graphs (bitfuse.graphs without accelerate)."""
+
+    def setup(self, kw):
+        from bitfuse import graphs
+
+        graphs.wrap_model_for_graphs(self.model)
+        return lambda: self.model(**kw)
+
+    def teardown(self):
+        from bitfuse import graphs
+
+        graphs.unwrap_model_for_graphs(self.model)
+
+
 class CompileRegional(Mode):
     def setup(self, kw):
         torch._dynamo.reset()
@@ -366,10 +381,13 @@ def main(argv=None) -> int:
     ap.add_argument("--no-profile", dest="profile", action="store_false")
     ap.add_argument("--pass-coords", action="store_true", help="pass RoPE coordinates as the pipelines do")
     ap.add_argument("--timesteps", nargs="+", choices=TIMESTEPS, default=list(TIMESTEPS))
+    ap.add_argument("--video", nargs=3, type=int, metavar=("F", "H", "W"), default=list(VIDEO),
+                    help="video latent frames, height, width (default 16 16 24: 6144 tokens)")
     ap.add_argument("--out", default=RESULTS)
     ap.add_argument("--tag", default="", help="suffix for the result file names")
     ap.add_argument("--plot", metavar="JSON", help="only draw the PNG for an existing result file")
     args = ap.parse_args(argv)
+    video = tuple(args.video)
 
     if args.plot:
         with open(args.plot) as f:
@@ -401,8 +419,8 @@ def main(argv=None) -> int:
             "variant": args.variant,
             "dtype": "bfloat16",
             "batch": 1,
-            "video_latents": list(VIDEO),
-            "video_tokens": VIDEO[0] * VIDEO[1] * VIDEO[2],
+            "video_latents": list(video),
+            "video_tokens": video[0] * video[1] * video[2],
             "audio_tokens": AUDIO,
             "text_tokens": TEXT,
             "pass_coords": args.pass_coords,
@@ -424,7 +442,8 @@ def main(argv=None) -> int:
     modes = [Eager("eager", model), Bitfuse("bitfuse-lossless", model, "lossless"),
              Bitfuse("bitfuse-high", model, "high")]
     if graphs:
-        modes += [Bitfuse("graphs-lossless", model, "lossless", graphs=True),
+        modes += [EagerGraphs("eager-graphs", model),
+                  Bitfuse("graphs-lossless", model, "lossless", graphs=True),
                   Bitfuse("graphs-high", model, "high", graphs=True)]
     else:
         result["notes"].append("graphs modes skipped (bitfuse.graphs not found or --graphs off)")
@@ -434,7 +453,7 @@ def main(argv=None) -> int:
 
     for ts in args.timesteps:
         kw = make_inputs(
-            model, 1, VIDEO, AUDIO, TEXT, per_token=(ts == "per-token"), seed=0, device="cuda",
+            model, 1, video, AUDIO, TEXT, per_token=(ts == "per-token"), seed=0, device="cuda",
             dtype=torch.bfloat16, pass_coords=args.pass_coords, use_cross_timestep=args.variant == "2.3",
         )
         per_ts = result["results"][ts] = {}

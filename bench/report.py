@@ -57,20 +57,34 @@ def ops_section(path):
 
 def ltx2_section(path):
     res = json.load(open(path))
+    cfg, v = res["config"], res["versions"]
     lines = [
-        f"**LTX-2 transformer forward** — {res.get('gpu')}, torch {res.get('torch')}, triton {res.get('triton')}, "
-        f"diffusers {res.get('diffusers')}; {res.get('config_summary', '')}. Source: `{os.path.relpath(path, ROOT)}`.",
+        f"**LTX-2 transformer forward** — {res['gpu']}, torch {v.get('torch')}, triton {v.get('triton')}, "
+        f"diffusers {v.get('diffusers')}; LTX-{cfg['variant']}, full width, {cfg['layers']} layers, "
+        f"{cfg['video_tokens']} video + {cfg['audio_tokens']} audio + {cfg['text_tokens']} text tokens, "
+        f"{cfg['dtype']}, batch {cfg['batch']} ({res['date']}). Median ms per forward over {cfg['iters']} calls. "
+        f"Source: `{os.path.relpath(path, ROOT)}`.",
         "",
-        "| case | mode | ms / forward | speedup vs eager | elements differing from eager |",
+        "| timestep | mode | ms / forward | speedup vs eager | output elements differing from eager |",
         "|---|---|---|---|---|",
     ]
-    for case in res.get("cases", []):
-        for m in case.get("modes", []):
-            if m.get("ms") is None:
-                lines.append(f"| {case['name']} | {m['mode']} | error: {m.get('error', '')[:60]} | | |")
+    for ts, modes in res["results"].items():
+        for mode, r in modes.items():
+            if "ms" not in r:
+                lines.append(f"| {ts} | {mode} | error: {str(r.get('error', ''))[:80]} | | |")
                 continue
-            lines.append(f"| {case['name']} | {m['mode']} | {m['ms']:.2f} | {m.get('speedup', 0):.2f}x | "
-                         f"{m.get('mismatches', '')} |")
+            diff = "reference" if mode == "eager" else (
+                f"{r['mismatches']:,} of {r['numel']:,}" if r.get("mismatches") is not None else "")
+            lines.append(f"| {ts} | {mode} | {r['ms']:.2f} | {r.get('speedup', 0):.2f}x | {diff} |")
+    for ts, modes in res["results"].items():
+        split = []
+        for mode, r in modes.items():
+            k = r.get("kernels")
+            if isinstance(k, dict) and "ms_per_forward" in k:
+                m = k["ms_per_forward"]
+                split.append(f"{mode}: GEMM {m['gemm']:.1f}, attention {m['attention']:.1f}, other {m['other']:.1f} ms")
+        if split:
+            lines += ["", f"Kernel time per forward ({ts}, torch.profiler): " + "; ".join(split) + "."]
     return lines
 
 
