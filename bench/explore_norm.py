@@ -353,11 +353,13 @@ def discovery_tasks():
 
 
 TIMING_CONFIGS = {
-    ("rms", "diffusers"): [[1, 1, 0], [2, 2, 0], [2, 2, 2], [4, 4, 2], [8, 8, 2], [4, 4, 1], [1, 1, 2]],
-    ("rms", "aten"): [[1, 4, 0], [1, 4, 2], [1, 2, 0], [2, 8, 2]],
-    ("ln", None): [[1, 2, 0], [1, 4, 0], [1, 4, 2], [1, 2, 2], [2, 8, 2]],
-    ("high", None): [[1, 4], [1, 8], [2, 8]],
+    ("rms", "diffusers"): [[2, 2, 2], [1, 1, 2], [4, 4, 2]],
+    ("rms", "aten"): [[2, 8, 2], [1, 4, 0], [1, 4, 2]],
+    ("ln", None): [[1, 2, 2], [2, 4, 2], [1, 1, 2], [4, 8, 2], [1, 2, 1], [1, 2, 0]],
+    ("high", None): [[1, 4], [1, 8]],
 }
+# other shapes, default configs: (B, S, D)
+TIMING_SHAPES = [(1, 6144, 2048), (1, 6144, 3072), (1, 6144, 5120), (4, 32768, 4096)]
 
 
 def sweep_tasks(flags, quick=False):
@@ -376,6 +378,13 @@ def sweep_tasks(flags, quick=False):
         for cfg in TIMING_CONFIGS[("high", None)]:
             add(op=op, ref=ref, dtype="bf16", B=1, S=6144, D=4096, layout="ps_strided", kind="randn",
                 exact=False, config=cfg, tag=f"time-check/{op}/{ref}/high/{cfg}")
+    for B, S, D in TIMING_SHAPES:
+        for op, ref in ops:
+            for exact in (True, False):
+                big = B * S > 100000
+                add(op=op, ref=ref, dtype="bf16", B=B, S=S, D=D, layout="ps_strided", kind="mixed" if big else "randn",
+                    exact=exact, tag=f"shape/{op}/{ref}/B{B}S{S}D{D}/{'exact' if exact else 'high'}",
+                    warm_only=big and not exact)
     dts = ("bf16", "fp16") if not quick else ("bf16",)
     for dt in dts:
         for D in (2048, 3072, 4096, 5120):
@@ -429,16 +438,21 @@ def phase_timing(flags):
     set_flags(flags)
     rows = []
     eps = 1e-6
-    nbytes = 2 * 6144 * 4096 * 2
-    nsets = sets_for(nbytes)
-    sets = [make_inputs(dict(dtype="bf16", B=1, S=6144, D=4096, layout="ps_strided", kind="randn", set=i))
-            for i in range(nsets)]
     try:
         tbps = copy_ceiling_tbps()
-        rows.append(("copy floor (read x + write out)", round(nbytes / (tbps * 1e12) * 1e6, 1)))
         log(f"copy ceiling {tbps:.2f} TB/s")
     except Exception as exc:
-        rows.append(("copy floor", f"ERR {exc}"))
+        tbps = float("nan")
+        rows.append(("copy ceiling", f"ERR {exc}"))
+    sets = []
+
+    def use_shape(B, S, D):
+        sets.clear()
+        torch.cuda.empty_cache()
+        n = sets_for(2 * B * S * D * 2)
+        sets.extend(make_inputs(dict(dtype="bf16", B=B, S=S, D=D, layout="ps_strided", kind="randn", set=i))
+                    for i in range(n))
+        rows.append((f"-- B={B} S={S} D={D}: copy floor (read x + write out)", round(2 * B * S * D * 2 / (tbps * 1e12) * 1e6, 1)))
 
     def bench(name, make):
         try:
@@ -450,27 +464,38 @@ def phase_timing(flags):
             rows.append((name, f"ERR {type(exc).__name__}: {str(exc)[:120]}"))
             log(f"time {name}: ERR {exc}")
 
+    def ops():
+        for op, ref in (("rms", "diffusers"), ("rms", "aten"), ("ln", None)):
+            if op == "rms":
+                yield op, ref, (lambda x, c, h, e, ref=ref: rms.plan_rms_norm_modulate(x, c, h, eps, ref, e)), \
+                    rms.launch_rms_norm_modulate
+            else:
+                yield op, ref, (lambda x, c, h, e: lnm.plan_layer_norm_modulate(x, c, h, eps, e)), \
+                    lnm.launch_layer_norm_modulate
+
+    use_shape(1, 6144, 4096)
     with torch.no_grad():
         bench("eager modulate alone", lambda x, c, h: lambda: modulate_reference(x, c, h))
         bench("eager diffusers RMSNorm + modulate",
               lambda x, c, h: lambda: rms.rms_norm_modulate_reference(x, c, h, eps, "diffusers"))
         bench("eager F.rms_norm + modulate", lambda x, c, h: lambda: rms.rms_norm_modulate_reference(x, c, h, eps, "aten"))
         bench("eager F.layer_norm + modulate", lambda x, c, h: lambda: lnm.layer_norm_modulate_reference(x, c, h, eps))
-    for (op, ref), cfgs in TIMING_CONFIGS.items():
-        if op == "high":
-            continue
-        if op == "rms":
-            plan = lambda x, c, h, e: rms.plan_rms_norm_modulate(x, c, h, eps, ref, e)  # noqa: E731
-            launch = rms.launch_rms_norm_modulate
-        else:
-            plan = lambda x, c, h, e: lnm.plan_layer_norm_modulate(x, c, h, eps, e)  # noqa: E731
-            launch = lnm.launch_layer_norm_modulate
-        for cfg in cfgs + [None]:
+    for op, ref, plan, launch in ops():
+        for cfg in TIMING_CONFIGS[(op, ref)] + [None]:
             bench(f"exact {op}/{ref} cfg={cfg or 'default'}",
-                  lambda x, c, h, cfg=cfg: (lambda p: lambda: launch(p, True, config=cfg and tuple(cfg)))(plan(x, c, h, True)))
+                  lambda x, c, h, cfg=cfg, plan=plan, launch=launch:
+                  (lambda p: lambda: launch(p, True, config=cfg and tuple(cfg)))(plan(x, c, h, True)))
         for cfg in TIMING_CONFIGS[("high", None)] + [None]:
-            bench(f"high {op}/{ref} cfg={cfg or 'default'}",
-                  lambda x, c, h, cfg=cfg: (lambda p: lambda: launch(p, False, config=cfg and tuple(cfg)))(plan(x, c, h, False)))
+            bench(f"high  {op}/{ref} cfg={cfg or 'default'}",
+                  lambda x, c, h, cfg=cfg, plan=plan, launch=launch:
+                  (lambda p: lambda: launch(p, False, config=cfg and tuple(cfg)))(plan(x, c, h, False)))
+    for B, S, D in TIMING_SHAPES:
+        use_shape(B, S, D)
+        for op, ref, plan, launch in ops():
+            for exact in (True, False):
+                bench(f"{'exact' if exact else 'high '} {op}/{ref} default",
+                      lambda x, c, h, e=exact, plan=plan, launch=launch: (lambda p: lambda: launch(p, e))(plan(x, c, h, e)))
+    sets.clear()
     return rows
 
 
@@ -541,7 +566,7 @@ def main():
     if args.flags:
         flags = json.loads(args.flags)
     else:
-        disc = run_parallel(discovery_tasks(), args.nproc, work, "disc", budget_s=60)
+        disc = run_parallel(discovery_tasks(), args.nproc, work, "disc", budget_s=50)
         for tag, r in sorted(disc.items()):
             disc_lines.append(f"{tag}: " + json.dumps({k: v for k, v in r.items() if k in ('equal', 'mismatch', 'stats_mismatch', 'error', 'reason')}))
             if "tb" in r:
@@ -550,7 +575,7 @@ def main():
         log("phase 1 done")
         print("\n".join(disc_lines), flush=True)
     log(f"flags: {flags}")
-    sweep = run_parallel(sweep_tasks(flags, args.quick), args.nproc, work, "sweep", budget_s=110)
+    sweep = run_parallel(sweep_tasks(flags, args.quick), args.nproc, work, "sweep", budget_s=100)
     log("phase 2 done")
     timing = phase_timing(flags)
     log("phase 3 done")
@@ -558,7 +583,8 @@ def main():
     # ---------------- summary
     report = []
     report.append(f"flags {json.dumps(flags)}")
-    report.extend(disc_lines[:0])
+    report.extend(line.replace('"equal": ', "eq=").replace('"mismatch": ', "mis=").replace('"stats_mismatch": ', "stats=")
+                  for line in disc_lines)
     bad, fellback, good, high_over, high_rows = [], [], 0, [], []
     ulp, ulp_he, ulp_ee = Counter(), Counter(), Counter()
     for tag, r in sorted(sweep.items()):
@@ -608,6 +634,7 @@ def main():
     text = "\n".join(report)
     full = "\n".join(report + bad + ["FALLBACK " + f for f in fellback] + high_rows + disc_lines)
     open(os.path.join(args.out, "summary_full.txt"), "w").write(full + "\n")
+    open(os.path.join(args.out, "summary.txt"), "w").write(text + "\n")
     json.dump({"sweep": sweep, "timing": timing, "flags": flags}, open(os.path.join(args.out, "results.json"), "w"))
     print("=" * 30 + " SUMMARY")
     print(text, flush=True)

@@ -230,6 +230,9 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--quick", action="store_true", help="one shape per op")
     ap.add_argument("--skip", default="", help="comma-separated ops to leave out")
+    ap.add_argument("--norm-shapes", choices=("all", "main"), default="all",
+                    help="norm + modulate at D in {2048, 3072, 4096, 5120} x 6144 and 4096 x 24576, "
+                         "or at 4096 x 6144 only")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/ops.py needs a CUDA GPU")
@@ -244,6 +247,8 @@ def main():
     skip = set(filter(None, args.skip.split(",")))
     pointwise = [(D, S) for D in (4096, 2048) for S in (1024, 6144, 24576)]
     norm_shapes = [(D, 6144) for D in (2048, 3072, 4096, 5120)] + [(4096, 24576)]
+    if args.norm_shapes == "main":
+        norm_shapes = [(4096, 6144)]
     if args.quick:
         pointwise, norm_shapes = [(4096, 6144)], [(4096, 6144)]
     norm_refs = {
