@@ -1,17 +1,22 @@
 """Device exploration for the norm + modulate kernels (H200, torch 2.11, triton 3.6).
 
-One invocation does everything, in phases, and ends with a summary table:
-  A. torch-level emulation of aten's reduction orders (no Triton): which warp
-     order aten's MeanOps reduce uses on this build, and the _fused_rms_norm order;
-  1. variant discovery (parallel worker processes): warp order, rsqrt flavour,
-     Welford FMA contractions, register-resident rows (KEEP);
+One invocation, in phases, ending with a summary table (and files under --out):
+  A. (--phase-a) torch-level emulation of aten's reduction orders, no Triton;
+  1. variant discovery (parallel worker processes): the diffusers mean's warp
+     order, rsqrt flavour, the LayerNorm Welford/combine FMA contractions.
+     Decided on the kernels' per-row statistics (mean / rstd written to a side
+     buffer) against aten's own, bit for bit: output equality alone rarely sees
+     a last-bit change of a row's rsqrt;
   2. correctness sweep with the chosen variants (parallel workers; they also
-     warm the Triton cache for phase 3): exact == torch.equal to the reference,
-     high within one ULP (histogram), NaN-poisoned outputs, every param layout;
-  3. timing at 4096 x 6144 bf16 (triton.testing.do_bench, median).
+     warm the Triton cache for phase 3): exact == torch.equal to the reference
+     plus statistics equal to aten's; high mode's ULP histograms, against eager
+     and against an fp64 reference; NaN-poisoned outputs; every param layout;
+  3. timing with bench/timing.device_us (CUDA-graph replay over input sets
+     larger than L2): eager references, exact and high, several configs.
 
-    cd <repo> && PYTHONPATH=$PWD python3 bench/explore_norm.py [--out DIR] [--quick]
+    cd <repo> && PYTHONPATH=$PWD python3 bench/explore_norm.py [--out DIR] [--flags '{}']
 
+`--flags '{}'` skips discovery and runs the modules' defaults.
 Workers: `--worker TASKS.json RESULT.json`.
 """
 
@@ -629,7 +634,7 @@ def main():
     report.extend("FALLBACK " + f for f in fellback[:20])
     report.append(f"high-mode ULP histogram vs eager over all high checks (0,1,2,3,>=4): {[ulp[i] for i in range(5)]}")
     report.append(f"  vs fp64-exact: high {[ulp_he[i] for i in range(5)]}  eager {[ulp_ee[i] for i in range(5)]}")
-    report.append("timing 4096x6144 bf16, per-sample strided params (us, do_bench median):")
+    report.append("timing, bf16, per-sample strided params (us a call, CUDA-graph replay, inputs cycled past L2):")
     report.extend(f"  {n:48s} {v}" for n, v in timing)
     text = "\n".join(report)
     full = "\n".join(report + bad + ["FALLBACK " + f for f in fellback] + high_rows + disc_lines)

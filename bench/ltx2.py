@@ -451,6 +451,8 @@ def main(argv=None) -> int:
         modes.append(CompileRegional("compile-regional", model))
     result["modes"] = [m.name for m in modes]
 
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"ltx2-{slug(gpu)}{('-' + slug(args.tag)) if args.tag else ''}")
     for ts in args.timesteps:
         kw = make_inputs(
             model, 1, video, AUDIO, TEXT, per_token=(ts == "per-token"), seed=0, device="cuda",
@@ -470,13 +472,13 @@ def main(argv=None) -> int:
                 print(f"  {rec['ms']:.2f} ms (first call {rec['first_call_s']:.2f}s)"
                       + (f", {rec['mismatches']} of {rec['numel']} differ" if rec.get("mismatches") is not None
                          else ""), flush=True)
-        base = per_ts.get("eager", {}).get("ms")
-        for rec in per_ts.values():
-            if base and "ms" in rec:
-                rec["speedup"] = base / rec["ms"]
+            base = per_ts.get("eager", {}).get("ms")
+            for rec in per_ts.values():
+                if base and "ms" in rec:
+                    rec["speedup"] = base / rec["ms"]
+            with open(stem + ".json", "w") as f:  # after every mode: a cut-short run keeps what it measured
+                json.dump(result, f, indent=1)
 
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"ltx2-{slug(gpu)}{('-' + slug(args.tag)) if args.tag else ''}")
     why = plot(result, stem + ".png")
     if why:
         result["notes"].append(why)

@@ -256,31 +256,24 @@ def main():
         "rms_norm[aten]+modulate": (rms_aten, lambda D: torch.nn.RMSNorm(D, eps=1e-6, elementwise_affine=False)),
         "layer_norm+modulate": (layer_norm, lambda D: torch.nn.LayerNorm(D, eps=1e-6, elementwise_affine=False)),
     }
-    for op in ("modulate", "gated_residual"):
-        if op in skip:
-            continue
-        for D, S in pointwise:
-            for per_token in (False, True):
-                run_case(op, 1, S, D, per_token, ceiling, rows, norm_refs)
-    for op in norm_refs:
-        if op in skip:
-            continue
-        for D, S in norm_shapes:
-            for per_token in (False, True):
-                run_case(op, 1, S, D, per_token, ceiling, rows, norm_refs)
     import importlib.metadata as md
 
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"ops-{slug}.json")
     result = dict(gpu=gpu, capability=".".join(map(str, torch.cuda.get_device_capability())),
                   torch=torch.__version__, triton=triton.__version__,
                   bitfuse=md.version("bitfuse") if _installed("bitfuse") else "source",
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   dtype="bfloat16", copy_ceiling_tbps=round(ceiling, 3), method=__doc__.strip(),
                   host_us={k: round(v, 2) for k, v in host.items()}, rows=rows)
-    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"ops-{slug}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    cases = [(op, D, S) for op in ("modulate", "gated_residual") if op not in skip for D, S in pointwise]
+    cases += [(op, D, S) for op in norm_refs if op not in skip for D, S in norm_shapes]
+    for op, D, S in cases:
+        for per_token in (False, True):
+            run_case(op, 1, S, D, per_token, ceiling, rows, norm_refs)
+        with open(path, "w") as f:  # after every case: a cut-short run keeps what it measured
+            json.dump(result, f, indent=1)
     try:
         plot(result, os.path.join(args.out, f"ops-{slug}.png"))
     except ImportError:

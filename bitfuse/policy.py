@@ -144,11 +144,12 @@ def _record(key: tuple, status: str, detail: str = "") -> Verdict:
     return verdict
 
 
-def gated(op: str, mode: str, plan, fast: Callable, reference: Callable, args: tuple, magnitude=None):
+def gated(op: str, mode: str, plan, fast: Callable, reference: Callable, args: tuple, magnitude=None,
+          ulps: int = 1):
     """Run `fast(plan)` if its signature is verified here, else eager `reference(*args)`,
-    verifying at first sight. `mode` is "exact" (torch.equal) or "high": within one
-    ULP of eager at the scale `magnitude(*args)` of the op's terms (or of the
-    output, if no magnitude is given)."""
+    verifying at first sight. `mode` is "exact" (torch.equal) or "high": within
+    `ulps` ULPs of eager at the scale `magnitude(*args)` of the op's terms (or
+    within one ULP of the output, if no magnitude is given)."""
     key = (op, mode, plan.key)
     state = _state.get(key)
     if state is True and not VERIFY_ALWAYS:
@@ -167,10 +168,10 @@ def gated(op: str, mode: str, plan, fast: Callable, reference: Callable, args: t
     if _compiling() or _capturing():
         # no verification here: a verified path may run (above), an unverified one may not
         return reference(*args)
-    return _verify(key, plan, fast, reference, args, magnitude)
+    return _verify(key, plan, fast, reference, args, magnitude, ulps)
 
 
-def _verify(key, plan, fast, reference, args, magnitude):
+def _verify(key, plan, fast, reference, args, magnitude, ulps):
     with _lock:
         if _state.get(key) is False:
             return reference(*args)
@@ -185,7 +186,7 @@ def _verify(key, plan, fast, reference, args, magnitude):
         if key[1] == "exact":
             agree = same_values(out, ref)
         elif magnitude is not None:
-            agree = within_one_ulp_at(out, ref, magnitude(*args).maximum(ref.float().abs()))
+            agree = within_one_ulp_at(out, ref, magnitude(*args).maximum(ref.float().abs()), ulps)
         else:
             agree = within_one_ulp(out, ref)
         if agree:

@@ -4,41 +4,49 @@ The reference is `F.layer_norm(x, (D,), eps=eps)` without weight or bias
 (`nn.LayerNorm(elementwise_affine=False)`, the final norm of LTX-2), then
 eager's modulate with its three roundings.
 
-Exact mode reproduces aten's `vectorized_layer_norm_kernel`
-(aten/src/ATen/native/cuda/layer_norm_kernel.cu), taken when D % 4 == 0,
-D <= 2^24 and x (after `.contiguous()`) is 4-element aligned:
-  * one row per block of 128 threads (32 lanes x 4 warps); thread
+EXACT MODE reproduces aten's `vectorized_layer_norm_kernel`
+(aten/src/ATen/native/cuda/layer_norm_kernel.cu), which aten takes when
+D % 4 == 0, D <= 2^24 and x (after `.contiguous()`) is 4-element aligned:
+  * one row a block of 128 threads (32 lanes x 4 warps); thread
     t = 32*warp + lane reads float4 vectors t, t+128, t+256, ... and runs
     Welford serially over the 4 values of each vector in order:
         delta = v - mean; count += 1
-        mean  = fma(delta, 1/count, mean)          (1/count: IEEE division)
+        mean  = fma(delta, 1/count, mean)        (1/count: IEEE division)
         m2    = fma(delta, v - mean_new, m2)
-    (nvcc contracts `mean + delta * (1.f/new_count)` and
-    `sigma2 + delta * (val - new_mean)`);
-  * warp shuffle-down, offsets 16, 8, 4, 2, 1, combining (own, shuffled) as
-    cuWelfordCombine(B=own, A=other):
+  * warp shuffle-down, offsets 16, 8, 4, 2, 1, each step
+    cuWelfordCombine(B = own, A = other):
         delta = B.mean - A.mean; count = A.count + B.count; coef = 1/count
         nA = A.count*coef; nB = B.count*coef
-        mean  = fma(nA, A.mean, nB*B.mean)         (MEAN_V)
-        m2    = fma((delta*delta)*A.count, nB, A.m2 + B.m2)   (SIG_FMA)
-        count = 0 -> mean = m2 = 0;
+        mean  = fma(nA, A.mean, nB*B.mean)
+        m2    = fma((delta*delta)*A.count, nB, A.m2 + B.m2)
+        count == 0 -> mean = m2 = 0;
   * across warps through shared memory: w0 <- (w0, w2), w1 <- (w1, w3), then
-    w0 <- (w0, w1), each as combine(B=lower, A=upper);
+    w0 <- (w0, w1), as combine(B = lower, A = upper);
   * var = m2 / float(D) (IEEE), rstd = rsqrtf(var + eps),
     n = rstd * (x - mean), rounded once to x's dtype.
-Which products nvcc contracted into FMAs is a property of the build; the
-variants are selectable (WELFORD_FMA, MEAN_V, SIG_FMA) and the defaults are
-the ones measured to agree on the H200 with torch 2.11 (bench/explore_norm.py,
-bench/results/norm_explore.md). For D a multiple of 512 every count is a power
-of two and only the per-thread Welford contraction matters.
+Which products nvcc contracts into FMAs is a property of the build, so they are
+selectable (WELFORD_FMA, MEAN_V, SIG_FMA). Measured on the H200 with torch 2.11,
+comparing the kernel's per-row mean and rstd with `native_layer_norm`'s bit for
+bit: without the Welford FMAs outputs differ; of the six combine variants only
+(MEAN_V = 0, SIG_FMA) matches for D = 1000 (counts not powers of two; for D a
+multiple of 512 every count is a power of two and all six agree).
 
-Falls back (plan returns a reason) when D % 4 != 0 or a contiguous x is not
-aligned (aten then takes RowwiseMomentsCUDAKernel + LayerNormForwardCUDAKernel,
-a block-reduce Welford with other rounding), or D > MAX_D.
+Falls back (the plan returns the reason) when D % 4 != 0 or a contiguous x is
+not aligned (aten then takes RowwiseMomentsCUDAKernel + LayerNormForwardCUDAKernel,
+a block-reduce Welford with other roundings), or D > MAX_D.
 
-High mode (`exact=False`): one pass, x read once, mean and variance in fp32
-from registers (two-pass over the registers, no Welford), one rounding at the
-end.
+Pass 1 runs in aten's thread order; pass 2 is elementwise and re-reads x as
+wide row tiles (PASS2 = 2). 33.2 us at 6144 x 4096 bf16 on the H200 (copy floor
+23.5 us, eager 164.5 us, high mode 28.4 us).
+
+HIGH MODE: one pass, x read once, mean and variance in fp32 from registers
+(two-pass over the registers, no Welford), then eager's modulate roundings
+(HIGH_ROUNDING as in rms_norm_modulate). Closer to the exact value than eager,
+and so not within one ULP of eager where eager is inaccurate: rows of constant
+or nearly constant value (Welford's mean is off by an ULP there, and
+rstd ~ 1/sqrt(eps) amplifies it), and, as for RMSNorm, where the summation
+order flips the rounding of n (8 elements in 10^6 in bf16, 5 in 10^5 in fp16 on
+randn rows; up to 2 ULP at the terms' scale).
 """
 
 from __future__ import annotations
@@ -63,7 +71,7 @@ WELFORD_FMA = True  # per-thread Welford update: two FMAs
 MEAN_V = 0  # combine mean: 0 fma(nA, mA, nB*mB), 1 fma(nB, mB, nA*mA), 2 no FMA
 SIG_FMA = True  # combine m2: fma((d*d)*cA, nB, sA + sB)
 RSQRT_ASM = False
-PASS2 = 0  # second pass: 0 x kept in registers, 1 reload, 2 reload as wide tiles
+PASS2 = 2  # second pass: 0 x kept in registers, 1 reload, 2 reload as wide tiles
 HIGH_ROUNDING = 2  # high mode's modulate roundings (rms_norm_modulate._modulate_tail)
 
 LANES = 128  # aten's num_threads(): 4 warps of 32
@@ -313,8 +321,9 @@ def _plan(x, scale, shift, eps, exact, cpu_ok=False):
 
 
 def exact_launch_shape(plan, elem_bytes: int) -> tuple[int, int]:
-    """(R, num_warps) for the exact kernel."""
-    return 1, 4
+    """(R, num_warps) for the exact kernel: one row of 128 reference threads on 2
+    warps (33.2 us at 6144 x 4096 bf16 on the H200; 4 warps 35.9, 1 warp 39.1)."""
+    return 1, 2
 
 
 def launch_layer_norm_modulate(plan, exact: bool = True, config=None, out=None, stats=None) -> torch.Tensor:

@@ -1,73 +1,83 @@
 """Weightless RMSNorm + adaLN modulation: `rms_norm(x) * (1 + scale) + shift`.
 
-Two references, two reduction orders (`reference=`):
+Two references (`reference=`), two reduction orders:
 
 "diffusers" -- diffusers' RMSNorm without weight:
     v = x.to(float32).pow(2).mean(-1, keepdim=True)
     n = (x * torch.rsqrt(v + eps)).to(x.dtype)
-"aten" -- `F.rms_norm(x, (D,), eps=eps)`, aten's fused `_fused_rms_norm` kernel
-    (torch >= 2.9; earlier versions run it as composite ops).
+"aten" -- `F.rms_norm(x, (D,), eps=eps)`, aten's fused `_fused_rms_norm`
+    kernel (torch >= 2.9; earlier versions run composite ops: fallback).
 
-Both then run eager's modulate: three roundings, bf16(1+scale), bf16(n*t),
-bf16(p+shift) (for fp16 likewise; for fp32 they are no-ops).
+Both are followed by eager's modulate, three roundings: bf16(1 + scale),
+bf16(n * t), bf16(p + shift) (fp16 likewise; no-ops for fp32).
 
-Exact mode (`exact=True`) reproduces the reference bit for bit, which means
-reproducing its reduction ORDER and every rounding. Kernels launch with
-`enable_fp_fusion=False`; every FMA the reference's nvcc build contracts is
-written as an explicit `tl.fma`, every other product and sum is rounded.
+EXACT MODE (`exact=True`) is bit-identical to the reference: it reproduces the
+reduction ORDER and every rounding. Kernels launch with `enable_fp_fusion=False`;
+each FMA that aten's nvcc build contracts is an explicit `tl.fma`, every other
+product and sum is rounded. A tree step `v[i] + v[i+k]` is a sum over an axis
+of size 2 (one add, commutative, so exact).
 
-Order reproduced for "diffusers" (the mean is `reduce_kernel<MeanOps<float>>`
-from aten/src/ATen/native/cuda/Reduce.cuh on the fresh contiguous fp32 tensor
-`x.float().pow(2)`, rows of D elements, N = number of rows):
-  * setReduceConfig<float, float, vt0=4, input_vec_size=4>: the reduction is on
-    the fastest dimension, so input is vectorised (float4) and
-    dim0 = D/4, dim1 = N; set_block_dimension (512 threads at most) gives
-    block_width bw = min(lp2(D/4) capped at 512, 512 / bh) and
-    block_height bh = min(lp2(N), 16): bw = 32 for N >= 16, and 64, 128, 256,
-    512 for N in [8,16), [4,8), [2,4), 1 (lp2 = largest power of 2 <= n).
+"diffusers" order (the mean is `reduce_kernel<MeanOps<float>>`, Reduce.cuh, on
+the fresh contiguous fp32 tensor `x.float().pow(2)`; N rows of D):
+  * setReduceConfig<float, float, vt0=4, input_vec_size=4>: reduction on the
+    fastest dimension, vectorised (float4): dim0 = D/4, dim1 = N, at most 512
+    threads: block width bw = min(lp2(D/4) capped at 512, 512/bh), block
+    height bh = min(lp2(N), 16); bw = 32 for N >= 16, and 64, 128, 256, 512
+    for N in [8,16), [4,8), [2,4), {1} (lp2: largest power of 2 <= n);
+    `mean_reduce_config`.
   * input_vectorized_thread_reduce_impl: lane t of a row loads the float4
-    vectors t, t+bw, t+2bw, ... and keeps FOUR accumulators, one per position
-    in the vector, each a serial fp32 sum starting from 0; then combines them
-    ((a0 + a1) + a2) + a3.
-  * block_x_reduce: for bw > 32 a shared-memory halving tree, v[t] += v[t+o]
-    for o = bw/2 ... 32; then a warp shuffle-down tree. Its direction depends
-    on the torch build: recent CUDA builds use decreasing offsets 16, 8, ... 1
-    (pairs (t, t+16) first); ROCm/fbcode and older builds increasing offsets
-    1, 2, ... 16 (adjacent pairs first). Both are implemented (`WARP_INC`);
-    the default is the one measured on the H200 with torch 2.11 (see
-    bench/explore_norm.py and bench/results/norm_explore.md).
-  * MeanOps::project: mean = sum * factor, factor = float(N) / float(N*D)
-    computed on the host in fp32 (= fl(1/D) whenever N*D is exact in fp32).
-  * `variance + eps`: one fp32 add; torch.rsqrt: CUDA `rsqrtf`
-    (rsqrt.approx.f32, the same MUFU instruction Triton's rsqrt emits);
-    `x * r`: one fp32 product, rounded to x's dtype.
-  Falls back (plan returns a reason) when D % 4 != 0 (misaligned rows take the
-  unaligned-head path), D < 256 (the vectorise threshold differs between torch
-  versions), or when aten would split a row across warps or CTAs
-  (values per thread >= min(16*bh, 256), i.e. D > 8160 for N >= 16): those
-  add a block_y / global reduction whose order changed between versions.
+    vectors t, t+bw, t+2bw, ... into FOUR accumulators (one per position in the
+    vector), serial fp32 sums from 0, combined ((a0 + a1) + a2) + a3.
+  * block_x_reduce: for bw > 32 a shared-memory halving, v[t] += v[t+o] for
+    o = bw/2 .. 32; then warp shuffle-down with DECREASING offsets 16, 8, 4, 2, 1
+    (torch 2.11 CUDA builds; ROCm/fbcode and older builds go 1 -> 16, kept as
+    WARP_INC). Measured on the H200: the kernel's per-row means equal
+    `x.float().pow(2).mean(-1)` bit for bit with decreasing offsets, and differ
+    on 20-27% of rows with increasing ones.
+  * MeanOps::project: mean = sum * factor, factor = float(N) / float(N*D) in
+    fp32 on the host (= fl(1/D) whenever N*D is exact); `mean_factor`.
+  * `v + eps` one fp32 add; torch.rsqrt is CUDA's `rsqrtf` (rsqrt.approx.f32,
+    the instruction Triton's rsqrt emits; the inline-PTX variant RSQRT_ASM gave
+    the same bits); `x * r` one fp32 product, rounded to x's dtype.
+  Falls back (the plan returns the reason) when D % 4 != 0 (aten's unaligned
+  head path), D < 256 (the vectorise threshold differs between versions),
+  D > MAX_D, or when aten splits a row across warps or CTAs (values a thread
+  >= min(16*bh, 256): D > 8160 for N >= 16), which adds a block_y or global
+  reduction whose order changed between versions.
 
-Order reproduced for "aten" (layer_norm_kernel.cu, vectorized_layer_norm_kernel
-with rms_norm=true, 128 threads per row as (32, 4), one row per block):
-  * thread t (= 32*warp + lane) reads float4 vectors t, t+128, ... and keeps ONE
-    accumulator: s = fma(v, v, s) for the 4 values of each vector in order
-    (nvcc contracts `sigma2 + val*val`; for bf16/fp16 inputs v*v is exact so
-    this equals a rounded add);
-  * warp shuffle-down with offsets 16, 8, 4, 2, 1 (fixed in that file);
-  * across the 4 warps: (w0 + w2) + (w1 + w3);
-  * sigma2 / float(D) (IEEE division), rsqrtf(sigma2 + eps), out = rstd * x
-    rounded once to x's dtype.
-  Falls back when D % 4 != 0 or a contiguous x is not 4-element aligned (aten
-  then takes RowwiseMomentsCUDAKernel, another order), or torch < 2.9.
+"aten" order (layer_norm_kernel.cu, vectorized_layer_norm_kernel, rms_norm=true;
+blocks of (32, 4) threads, one row a block):
+  * thread t = 32*warp + lane reads float4 vectors t, t+128, ... into ONE
+    accumulator, s = fma(v, v, s) over the 4 values of each vector in order
+    (nvcc contracts `sigma2 + val*val`; for bf16/fp16 v*v is exact anyway);
+  * warp shuffle-down, offsets 16, 8, 4, 2, 1; across warps through shared
+    memory: (w0 + w2) + (w1 + w3);
+  * sigma2 / float(D) (IEEE division), rsqrtf(sigma2 + eps), n = rstd * x
+    rounded once. Measured: the kernel's rstd equals `_fused_rms_norm`'s bit
+    for bit on every row checked.
+  Falls back when D % 4 != 0, a contiguous x is not 4-element aligned (aten
+  then takes RowwiseMomentsCUDAKernel: another order), D > MAX_D, torch < 2.9.
 
-Both exact kernels keep the row in registers (KEEP: x read once); D is a
-compile-time constant; rows wider than MAX_D take the reference.
+Exact kernels: pass 1 reads x in the reference's thread order (D is a
+compile-time constant, the row is unrolled); pass 2 is elementwise and re-reads
+x as wide row tiles (PASS2 = 2; it hits L2), which measured 31.6 us against
+43.3 us for keeping x in the reference's 8-byte layout (diffusers, 6144 x 4096
+bf16 on the H200; copy floor 23.5 us, eager 421 us; aten 28.4 us, eager 157 us). A side buffer (`stats=`) receives each
+row's statistic and rsqrt for the device checks; production launches pass a
+dummy and a zero flag (not a specialisation: the checked kernel is the one that
+runs).
 
-High mode (`exact=False`) is one pass in fp32: x read once, sum of squares in
-any order, one rounding at the end (FMA contraction allowed). It is within one
-ULP of the reference except where `n*(1+scale)` and `shift` nearly cancel (the
-reference's own intermediate roundings are then worth more than one ULP of the
-result); the gate verifies it at first sight.
+HIGH MODE (`exact=False`): one pass, x read once, sum of squares in any order
+in fp32, then eager's roundings of n, 1 + scale and n*t (HIGH_ROUNDING = 2;
+0 = one rounding at the end, 1 = n and t rounded, one FMA). It differs from eager
+only where the other summation order moves a row's rsqrt by enough to flip the
+rounding of n: 3 elements in 10^6 in bf16, 2 in 10^5 in fp16 (randn rows,
+D = 4096, H200), where the result moves by up to 2 ULP at the scale of the
+modulate's terms. So it does NOT meet the gate's one-ULP criterion everywhere,
+and no one-pass kernel can: any other summation order flips some roundings of n.
+One rounding at the end (HIGH_ROUNDING = 0) is 2-3 ULP off on about 1% of
+elements. Timing (6144 x 4096 bf16): high 28.2 us, exact 31.6 (diffusers) and
+28.4 (aten). bench/explore_norm.py measures all of this.
 """
 
 from __future__ import annotations
@@ -101,7 +111,9 @@ def _row_kernel(*names):
     or on the debug flag `write_stats` (the checked kernel is the production one)."""
     def wrap(fn):
         return triton.jit(fn, do_not_specialize=list(names)) if HAS_TRITON else fn
+
     return wrap
+
 
 MAX_D = 16384  # exact kernels unroll the row; wider rows take the reference
 
@@ -109,7 +121,7 @@ MAX_D = 16384  # exact kernels unroll the row; wider rows take the reference
 # launcher reads them at call time so a device script can try the others.
 WARP_INC = False  # diffusers mean: warp shuffle offsets decreasing (16..1)
 RSQRT_ASM = False  # True: inline `rsqrt.approx.f32`; False: libdevice rsqrt
-PASS2 = 0  # exact kernels' second pass: 0 x kept in registers, 1 reload, 2 reload as wide tiles
+PASS2 = 2  # exact kernels' second pass: 0 x kept in registers, 1 reload, 2 reload as wide tiles
 HIGH_ROUNDING = 2  # high mode's modulate roundings: see _modulate_tail
 
 
@@ -418,10 +430,14 @@ def _plan(x, scale, shift, eps, reference, exact, cpu_ok=False):
 
 
 def exact_launch_shape(plan, elem_bytes: int) -> tuple[int, int]:
-    """(R, num_warps) for the exact kernel: rows per program and warps."""
-    if plan.lanes >= 128:
-        return 1, 4
-    return 1, 1
+    """(R, num_warps) for the exact kernel: rows per program and warps. Measured on the
+    H200 at 6144 x 4096 bf16 (bench/explore_norm.py): diffusers (2, 2) 31.6 us against
+    43.3 for one row a warp; aten (2, 8) 28.4 us against 29.2 for one row a block."""
+    if plan.reference == "aten":
+        return 2, 8
+    if plan.lanes == 32:
+        return 2, 2
+    return 1, min(plan.lanes // 32, 8)  # few rows: wide blocks
 
 
 def _dummy_stats(x):
@@ -457,7 +473,8 @@ def launch_rms_norm_modulate(plan, exact: bool = True, config=None, out=None, st
              plan.eps, plan.factor, float(r.D)),
             dict(D=r.D, REF=0 if plan.reference == "diffusers" else 1,
                  LANES=lanes, XSTEPS=max(lanes.bit_length() - 1 - 5, 0),
-                 WARP_INC=WARP_INC, PASS2=pass2, BLOCK_D=triton.next_power_of_2(r.D), RSQRT_ASM=RSQRT_ASM and not INTERPRET, R=R),
+                 WARP_INC=WARP_INC, PASS2=pass2, BLOCK_D=triton.next_power_of_2(r.D),
+                 RSQRT_ASM=RSQRT_ASM and not INTERPRET, R=R),
             dict(num_warps=num_warps, enable_fp_fusion=False),
         )
     else:
