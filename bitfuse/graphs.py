@@ -393,6 +393,7 @@ class CUDAGraphBackend:
         except BaseException:
             with contextlib.suppress(Exception):
                 graph.reset()
+            _release_generator(device)
             raise
         leaves: list = []
         _out_spec(out, leaves)
@@ -415,6 +416,20 @@ class CUDAGraphBackend:
 
     def release(self, graph) -> None:
         graph.reset()
+
+
+def _release_generator(device) -> None:
+    """After a failed capture, take the device's default RNG out of capture mode.
+
+    Capture registers the default CUDA generator with the graph; when the capture
+    aborts before its end, the generator stays marked as capturing and every later
+    random op in the process fails ("Offset increment outside graph capture").
+    A clone of its state (same seed and offset) is not marked, so installing it
+    restores the generator without changing the random stream."""
+    index = torch.device(device).index
+    gen = torch.cuda.default_generators[torch.cuda.current_device() if index is None else index]
+    with contextlib.suppress(Exception):
+        gen.graphsafe_set_state(gen.clone_state())
 
 
 class _EmulatedGraph:

@@ -137,11 +137,12 @@ def run_checks(quick: bool = False, progress=None) -> dict:
     )
     shapes = QUICK_SHAPES if quick else SHAPES
     gen = torch.Generator(device="cuda").manual_seed(0) if cuda else None
-    # modulate and gated_residual have one kernel, exact in every tier: listed once
+    # modulate and gated_residual have one kernel, exact in every tier: listed once;
+    # fp32 norm sites take the exact kernel in every tier (sites._norm_mode)
     jobs = [(op, tier, dn, layout) for op in _ops() for tier in TIERS for dn in DTYPES for layout in LAYOUTS
-            if tier == "lossless" or op[0] not in POINTWISE]
+            if tier == "lossless" or (op[0] not in POINTWISE and dn != "fp32")]
     for i, (op, tier, dn, layout) in enumerate(jobs):
-        row = dict(op=op[0], tier="all" if op[0] in POINTWISE else tier, dtype=dn, layout=layout)
+        row = dict(op=op[0], tier="all" if op[0] in POINTWISE or dn == "fp32" else tier, dtype=dn, layout=layout)
         if not cuda:
             row.update(status="eager fallback", detail="no CUDA device")
         elif not HAS_TRITON:

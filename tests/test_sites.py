@@ -120,7 +120,7 @@ def test_mount_is_all_or_nothing():
 
 
 def test_tier_resolution_request_over_mount_over_default(fake_kernels):
-    x, scale, shift, _ = _operands()
+    x, scale, shift = (t.bfloat16() for t in _operands()[:3])  # fp32 norm sites stay exact in every tier
     norm = torch.nn.RMSNorm(8, eps=1e-6, elementwise_affine=False)
     block = Block(norm)
     site = sites.mark_site(block, "b", norms=(norm,))
@@ -133,7 +133,7 @@ def test_tier_resolution_request_over_mount_over_default(fake_kernels):
 
 
 def test_mounted_model_serves_concurrent_requests_without_leaking(fake_kernels):
-    x, scale, shift, _ = _operands()
+    x, scale, shift = (t.bfloat16() for t in _operands()[:3])
     barrier = threading.Barrier(2)
     modes = {}
 
@@ -154,6 +154,14 @@ def test_mounted_model_serves_concurrent_requests_without_leaking(fake_kernels):
     for t in threads:
         t.join()
     assert sorted(m for op, m in fake_kernels if op == "rms_norm_modulate") == ["exact", "high"]
+
+
+def test_fp32_norm_sites_take_the_exact_kernel_in_every_tier(fake_kernels):
+    x, scale, shift, _ = _operands()
+    norm = torch.nn.RMSNorm(8, eps=1e-6, elementwise_affine=False)
+    with bitfuse.quality("high"), torch.no_grad():
+        sites.rms_norm_modulate_site(None, norm, x, scale, shift)
+    assert [m for op, m in fake_kernels if op == "rms_norm_modulate"] == ["exact"]
 
 
 def test_norm_kinds():
