@@ -35,8 +35,12 @@ def ops_section(path):
     lines = [
         f"**Ops** — {res['gpu']}, torch {res['torch']}, triton {res['triton']}, {res['dtype']}, "
         f"copy ceiling {res['copy_ceiling_tbps']:.2f} TB/s measured in the same run ({res['date']}). "
-        "µs (median), in brackets the share of the copy ceiling; ≠ marks output that is not `torch.equal` "
+        "Device µs per call (median of CUDA-graph replays over inputs several times the L2), in brackets "
+        "the share of the copy ceiling; ≠ marks output that is not `torch.equal` "
         f"to eager. Source: `{os.path.relpath(path, ROOT)}`.",
+        "",
+        "Host cost of one call on tiny tensors (µs): " + "; ".join(
+            f"{k} {v:.1f}" for k, v in res.get("host_us", {}).items()) + ".",
         "",
         "| op | D | S | params | " + " | ".join(OPS_VARIANTS) + " |",
         "|---|---|---|---|" + "---|" * len(OPS_VARIANTS),
