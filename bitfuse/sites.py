@@ -16,7 +16,7 @@ all or nothing (`mount`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -36,7 +36,6 @@ class Site:
     name: str
     norms: tuple = ()
     tier: str | None = None
-    notes: list = field(default_factory=list)
 
     def rejects(self, tier: str) -> str | None:
         """Why this site can't take `tier`, or None if it can."""
@@ -90,7 +89,7 @@ def unmount(model: torch.nn.Module) -> None:
 
 
 def _tier(site) -> str:
-    requested = policy._requested.get()
+    requested = policy.requested_quality()
     if requested is not None:
         return requested
     if site is not None:
@@ -184,50 +183,31 @@ def rms_norm_modulate_site(block, norm, x, scale, shift, eps=None):
     kind = norm_kind(norm)
     if kind not in ("diffusers", "aten"):
         return _norm_then_modulate(norm, x, scale, shift, block)
-    eps = norm.eps if eps is None else eps
-    mode = _norm_mode(block, x)
-    plan = plan_rms_norm_modulate(x, scale, shift, eps, kind, exact=mode == "exact")
-    if plan.__class__ is str and mode == "high":  # no one-pass kernel here: the exact one serves
-        mode = "exact"
-        plan = plan_rms_norm_modulate(x, scale, shift, eps, kind, exact=True)
-    if plan.__class__ is str:
-        return _norm_then_modulate(norm, x, scale, shift, block)
-    return policy.gated(
-        "rms_norm_modulate",
-        mode,
-        plan,
-        _launch_rms[mode],
-        _norm_then_modulate,
-        (norm, x, scale, shift, block),
-        _norm_modulate_terms,
-        NORM_HIGH_ULPS,
-    )
+    return _fused_norm_site("rms_norm_modulate", plan_rms_norm_modulate, _launch_rms, (kind,),
+                            block, norm, x, scale, shift, eps)
 
 
 def layer_norm_modulate_site(block, norm, x, scale, shift, eps=None):
-    """`norm(x) * (1 + scale) + shift` for LayerNorm without affine."""
+    """`norm(x) * (1 + scale) + shift` for LayerNorm without affine; tiers as above."""
     if _plain():
         return norm(x) * (1 + scale) + shift
     if norm_kind(norm) != "layer_norm":
         return _norm_then_modulate(norm, x, scale, shift, block)
+    return _fused_norm_site("layer_norm_modulate", plan_layer_norm_modulate, _launch_ln, (),
+                            block, norm, x, scale, shift, eps)
+
+
+def _fused_norm_site(op, plan_fn, launchers, extra, block, norm, x, scale, shift, eps):
     eps = norm.eps if eps is None else eps
     mode = _norm_mode(block, x)
-    plan = plan_layer_norm_modulate(x, scale, shift, eps, exact=mode == "exact")
+    plan = plan_fn(x, scale, shift, eps, *extra, exact=mode == "exact")
     if plan.__class__ is str and mode == "high":  # no one-pass kernel here: the exact one serves
         mode = "exact"
-        plan = plan_layer_norm_modulate(x, scale, shift, eps, exact=True)
+        plan = plan_fn(x, scale, shift, eps, *extra, exact=True)
     if plan.__class__ is str:
         return _norm_then_modulate(norm, x, scale, shift, block)
-    return policy.gated(
-        "layer_norm_modulate",
-        mode,
-        plan,
-        _launch_ln[mode],
-        _norm_then_modulate,
-        (norm, x, scale, shift, block),
-        _norm_modulate_terms,
-        NORM_HIGH_ULPS,
-    )
+    return policy.gated(op, mode, plan, launchers[mode], _norm_then_modulate, (norm, x, scale, shift, block),
+                        _norm_modulate_terms, NORM_HIGH_ULPS)
 
 
 _launch_rms = {
