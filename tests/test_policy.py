@@ -56,7 +56,7 @@ def test_verifies_once_then_caches():
     for _ in range(3):
         out = policy.gated("op", "exact", Plan(), fast, ref, args)
         assert torch.equal(out, reference(*args))
-    assert fast.calls == 3 and calls["ref"] == 1  # the reference ran only at first sight
+    assert fast.calls == 4 and calls["ref"] == 1  # first sight runs the fast path twice, the reference once
     (v,) = bitfuse.verdicts()
     assert v.status == "verified" and v.active and v.op == "op" and "bfloat16" in v.signature
 
@@ -71,9 +71,24 @@ def test_mismatch_disables_warns_once_and_returns_reference():
         warnings.simplefilter("error")  # no second warning
         for _ in range(3):
             assert torch.equal(policy.gated("op", "exact", Plan(), fast, reference, args), reference(*args))
-    assert fast.calls == 1  # disabled for good
+    assert fast.calls == 2  # disabled for good after first sight
     (v,) = bitfuse.verdicts()
     assert v.status == "mismatch" and "1 of 35 elements differ" in v.detail
+
+
+def test_a_launch_path_wrong_only_after_the_first_call_is_caught():
+    """The first launch compiles through Triton; later ones take the direct launcher.
+    First sight checks both."""
+    args = _args()
+
+    class SecondWrong(Fast):
+        def __call__(self, plan):
+            self.behaviour = "right" if self.calls == 0 else "wrong"
+            return super().__call__(plan)
+
+    with pytest.warns(policy.FallbackWarning):
+        out = policy.gated("op", "exact", Plan(), SecondWrong(args), reference, args)
+    assert torch.equal(out, reference(*args)) and bitfuse.verdicts()[0].status == "mismatch"
 
 
 def test_exception_disables_and_returns_reference():
@@ -108,7 +123,7 @@ def test_signatures_are_separate():
     with pytest.warns(policy.FallbackWarning):
         policy.gated("op", "exact", Plan((torch.bfloat16, 0, "per-token", "per-token")), bad, reference, args)
     policy.gated("op", "exact", Plan(), good, reference, args)
-    assert good.calls == 2
+    assert good.calls == 3
     assert sorted(v.status for v in bitfuse.verdicts()) == ["mismatch", "verified"]
 
 
@@ -132,7 +147,7 @@ def test_verified_path_runs_inside_capture(monkeypatch):
     monkeypatch.setattr(policy, "_capturing", lambda: True)
     monkeypatch.setattr(policy, "_verify", lambda *a: pytest.fail("verified inside capture"))
     policy.gated("op", "exact", Plan(), fast, reference, args)
-    assert fast.calls == 2
+    assert fast.calls == 3
 
 
 def test_verify_always_compares_every_call(monkeypatch):
