@@ -23,6 +23,7 @@ Workers: `--worker TASKS.json RESULT.json`.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -109,8 +110,8 @@ _DEFAULTS = {}
 
 def set_flags(flags):
     """Reset every variant flag to the module default, then apply `flags`."""
-    from bitfuse.ops import layer_norm_modulate as lnm
-    from bitfuse.ops import rms_norm_modulate as rms
+    lnm = importlib.import_module("bitfuse.ops.layer_norm_modulate")
+    rms = importlib.import_module("bitfuse.ops.rms_norm_modulate")
 
     if not _DEFAULTS:
         for name in ("WARP_INC", "RSQRT_ASM", "PASS2", "HIGH_ROUNDING"):
@@ -124,8 +125,8 @@ def set_flags(flags):
 
 def run_task(spec):
     from bitfuse.numerics import same_values, ulp_distance, ulp_of
-    from bitfuse.ops import layer_norm_modulate as lnm
-    from bitfuse.ops import rms_norm_modulate as rms
+    lnm = importlib.import_module("bitfuse.ops.layer_norm_modulate")
+    rms = importlib.import_module("bitfuse.ops.rms_norm_modulate")
 
     set_flags(spec.get("flags"))
     x, scale, shift = make_inputs(spec)
@@ -436,8 +437,8 @@ def phase_timing(flags):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from timing import copy_ceiling_tbps, device_us, sets_for
 
-    from bitfuse.ops import layer_norm_modulate as lnm
-    from bitfuse.ops import rms_norm_modulate as rms
+    lnm = importlib.import_module("bitfuse.ops.layer_norm_modulate")
+    rms = importlib.import_module("bitfuse.ops.rms_norm_modulate")
     from bitfuse.ops.modulate import modulate_reference
 
     set_flags(flags)
