@@ -30,6 +30,7 @@ import triton  # noqa: E402
 from timing import copy_ceiling_tbps, device_us, host_us, sets_for  # noqa: E402
 
 import bitfuse.ops.modulate  # noqa: E402,F401
+import bitfuse.ops.rotary  # noqa: E402,F401
 from bitfuse import quality, sites  # noqa: E402
 from bitfuse.numerics import max_ulp  # noqa: E402
 
@@ -172,6 +173,64 @@ def run_case(op, B, S, D, per_token, ceiling, rows, norm_refs):
     torch.cuda.empty_cache()
 
 
+def rotary_operands(rope_type, B, S, D, seed=0):
+    """Query, key and fp32 cos/sin as diffusers' LTX-2 builds them (split: the swapaxes view)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k = (torch.randn(B, S, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    if rope_type == "interleaved":
+        theta = torch.rand(B, S, D // 2, device="cuda", generator=g).repeat_interleave(2, -1) * 40 - 20
+        return q, k, (theta.cos(), theta.sin())
+    theta = torch.rand(B, S, D // 128, 64, device="cuda", generator=g) * 40 - 20
+    return q, k, (theta.cos().swapaxes(1, 2), theta.sin().swapaxes(1, 2))
+
+
+def run_rotary_case(rope_type, B, S, D, ceiling, rows):
+    """RoPE of a query and a key sharing frequencies (self-attention), as the processor applies it."""
+    reference = sys.modules["bitfuse.ops.rotary"].rotary_reference
+
+    def eager(q, k, cos, sin):
+        return reference(q, (cos, sin), rope_type), reference(k, (cos, sin), rope_type)
+
+    probe = rotary_operands(rope_type, B, S, D)
+    q, k, (cos, sin) = probe
+    moved = 4 * q.numel() * q.element_size() + 2 * cos.numel() * 4
+    fns = {"eager": eager, "torch.compile": compiled(eager, False), "compile+emulate": compiled(eager, True)}
+
+    def call(name, bufs):
+        q, k, freqs = bufs
+        if name == "bitfuse lossless":
+            return lambda: sites.rotary_site(q, k, freqs, None, rope_type)
+        return lambda: fns[name](q, k, *freqs)
+
+    n_sets = sets_for(moved)
+    sets = [probe] + [rotary_operands(rope_type, B, S, D, seed=i + 1) for i in range(n_sets - 1)]
+    ref = call("eager", probe)()
+    floor = moved / (ceiling * 1e12) * 1e6
+    for name in ("eager", "torch.compile", "compile+emulate", "bitfuse lossless"):
+        try:
+            with torch.no_grad():
+                out = call(name, probe)()
+                torch.cuda.synchronize()
+                exact = all(bool(torch.equal(o, r)) for o, r in zip(out, ref))
+                ulps = max(max_ulp(o, r) for o, r in zip(out, ref))
+                mismatches = sum(int((o != r).sum()) for o, r in zip(out, ref))
+                t = device_us([call(name, bufs) for bufs in sets])
+        except Exception as exc:
+            rows.append(dict(op="rotary q+k", B=B, S=S, D=D, params=rope_type, variant=name,
+                             error=f"{type(exc).__name__}: {exc}"[:300]))
+            print(f"  rotary {rope_type} D={D} S={S} {name}: ERROR {exc}")
+            continue
+        tbps = moved / (t * 1e-6) / 1e12
+        row = dict(op="rotary q+k", B=B, S=S, D=D, params=rope_type, variant=name,
+                   us=round(t, 2), tbps=round(tbps, 3), pct_ceiling=round(100 * tbps / ceiling, 1),
+                   floor_us=round(floor, 2), exact=exact, max_ulp=ulps, mismatches=mismatches)
+        rows.append(row)
+        print(f"  {'rotary q+k':28s} D={D:5d} S={S:6d} {rope_type:11s} {name:18s} {t:8.1f} us "
+              f"{row['pct_ceiling']:5.1f}% exact={exact}")
+    del sets, probe
+    torch.cuda.empty_cache()
+
+
 def host_costs():
     """Microseconds of host time per call on tiny tensors (the GPU keeps up)."""
     x, y, c, h, gate = operands(1, 8, 64, False)
@@ -274,6 +333,12 @@ def main():
             run_case(op, 1, S, D, per_token, ceiling, rows, norm_refs)
         with open(path, "w") as f:  # after every case: a cut-short run keeps what it measured
             json.dump(result, f, indent=1)
+    if "rotary" not in skip:
+        for rope_type in ("interleaved", "split"):
+            for D in ((4096,) if args.quick else (4096, 2048)):
+                run_rotary_case(rope_type, 1, 6144, D, ceiling, rows)
+                with open(path, "w") as f:
+                    json.dump(result, f, indent=1)
     try:
         plot(result, os.path.join(args.out, f"ops-{slug}.png"))
     except ImportError:

@@ -25,6 +25,7 @@ from .ops.gated_residual import gated_residual_reference, launch_gated_residual,
 from .ops.layer_norm_modulate import launch_layer_norm_modulate, plan_layer_norm_modulate
 from .ops.modulate import launch_modulate, modulate_reference, plan_modulate
 from .ops.rms_norm_modulate import launch_rms_norm_modulate, plan_rms_norm_modulate
+from .ops.rotary import launch_rotary, plan_rotary, rotary_reference
 
 # ---------------------------------------------------------------- marking and mounting
 
@@ -126,6 +127,33 @@ def gated_residual_site(x, y, gate, *, site=None):
     if plan.__class__ is str:
         return gated_residual_reference(x, y, gate)
     return policy.gated("gated_residual", "exact", plan, launch_gated_residual, gated_residual_reference, (x, y, gate))
+
+
+def rotary_site(query, key, query_freqs, key_freqs, rope_type):
+    """Query and key rotated as diffusers' LTX-2 attention rotates them (`key_freqs`
+    None: the query's), bit-exact in every tier. Returns (query, key). Sharing the
+    frequencies (self-attention), both rotate in one launch that reads cos/sin once."""
+    if key_freqs is None:
+        key_freqs = query_freqs
+    if _plain():
+        return rotary_reference(query, query_freqs, rope_type), rotary_reference(key, key_freqs, rope_type)
+    if key_freqs[0] is query_freqs[0] and key_freqs[1] is query_freqs[1] and key.shape == query.shape:
+        plan = plan_rotary(query, *query_freqs, rope_type, y=key)
+        if plan.__class__ is not str:
+            return policy.gated("rotary", "exact", plan, launch_rotary, _rotary_pair,
+                                (query, key, query_freqs, key_freqs, rope_type))
+    return _rotary_one(query, query_freqs, rope_type), _rotary_one(key, key_freqs, rope_type)
+
+
+def _rotary_one(x, freqs, rope_type):
+    plan = plan_rotary(x, *freqs, rope_type)
+    if plan.__class__ is str:
+        return rotary_reference(x, freqs, rope_type)
+    return policy.gated("rotary", "exact", plan, launch_rotary, rotary_reference, (x, freqs, rope_type))
+
+
+def _rotary_pair(query, key, query_freqs, key_freqs, rope_type):
+    return rotary_reference(query, query_freqs, rope_type), rotary_reference(key, key_freqs, rope_type)
 
 
 def _modulate_terms(x, scale, shift):
@@ -231,5 +259,6 @@ __all__ = [
     "gated_residual_site",
     "rms_norm_modulate_site",
     "layer_norm_modulate_site",
+    "rotary_site",
     "norm_kind",
 ]

@@ -1,6 +1,6 @@
 """`bitfuse verify`: which fast paths are active here, and are they exact?
 
-For each op x dtype x parameter layout x tier, runs the fast path and eager
+For each op x dtype x parameter layout x tier (and RoPE per frequency layout), runs the fast path and eager
 on a sweep of shapes with fresh random inputs and compares them: lossless
 paths must be `torch.equal` to eager, high paths within one ULP.
 """
@@ -19,6 +19,7 @@ from .ops import gated_residual as _g  # noqa: F401  (modules, reached through s
 from .ops import layer_norm_modulate as _ln  # noqa: F401
 from .ops import modulate as _m  # noqa: F401
 from .ops import rms_norm_modulate as _rms  # noqa: F401
+from .ops import rotary as _rot  # noqa: F401
 from .ops._pointwise import HAS_TRITON
 from .sites import NORM_HIGH_ULPS
 
@@ -26,6 +27,7 @@ M = sys.modules["bitfuse.ops.modulate"]
 G = sys.modules["bitfuse.ops.gated_residual"]
 RMS = sys.modules["bitfuse.ops.rms_norm_modulate"]
 LN = sys.modules["bitfuse.ops.layer_norm_modulate"]
+ROT = sys.modules["bitfuse.ops.rotary"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LAYOUTS = ("per-sample", "per-token", "shared", "strided")
@@ -118,6 +120,46 @@ def _check(op, tier, dtype, layout, shapes, gen) -> dict:
     return dict(status="verified", detail=detail)
 
 
+# RoPE: frequency layouts as diffusers builds them (interleaved: [B, S, C] per sample or
+# shared by the batch; split: [B, H, S, r] dense or the swapaxes view diffusers passes)
+ROTARY_LAYOUTS = {"interleaved": ("per-sample", "batch-broadcast"), "split": ("dense", "strided")}
+
+
+def _rotary_operands(rope_type, layout, B, S, C, dtype, gen):
+    q, k = (torch.randn(B, S, C, device="cuda", dtype=dtype, generator=gen) * 2 for _ in range(2))
+    if rope_type == "interleaved":
+        shape = (1 if layout == "batch-broadcast" else B, S, C)
+    else:
+        shape = (B, S, C // 128, 64)
+    theta = torch.rand(*shape, device="cuda", generator=gen) * 40 - 20
+    freqs = theta.cos(), theta.sin()
+    if rope_type == "split":
+        freqs = tuple(f.swapaxes(1, 2) for f in freqs)
+        if layout == "dense":
+            freqs = tuple(f.contiguous() for f in freqs)
+    return q, k, freqs
+
+
+def _check_rotary(rope_type, dtype, layout, shapes, gen) -> dict:
+    for B, S, C in shapes:
+        q, k, freqs = _rotary_operands(rope_type, layout, B, S, C, dtype, gen)
+        plan = ROT.plan_rotary(q, *freqs, rope_type, y=k)
+        if isinstance(plan, str):
+            return dict(status="eager fallback", detail=plan)
+        refs = ROT.rotary_reference(q, freqs, rope_type), ROT.rotary_reference(k, freqs, rope_type)
+        for launch_no in (1, 2):
+            out = tuple(torch.full(r.shape, float("nan"), dtype=dtype, device="cuda") for r in refs)
+            try:
+                ROT.launch_rotary(plan, out=out)
+            except Exception as exc:
+                return dict(status="error", detail=f"{type(exc).__name__}: {exc}")
+            for o, r in zip(out, refs):
+                if not same_values(o, r):
+                    return dict(status="mismatch", detail=f"{int((o != r).sum())} of {r.numel()} differ at "
+                                                          f"B={B} S={S} C={C}, launch {launch_no}")
+    return dict(status="verified", detail=f"{len(shapes)} shapes, query+key, torch.equal")
+
+
 def run_checks(quick: bool = False, progress=None) -> dict:
     """The report as a dict: versions, and one row per op x dtype x layout x tier."""
     import importlib.metadata as md
@@ -142,12 +184,18 @@ def run_checks(quick: bool = False, progress=None) -> dict:
     # fp32 norm sites take the exact kernel in every tier (sites._norm_mode)
     jobs = [(op, tier, dn, layout) for op in _ops() for tier in TIERS for dn in DTYPES for layout in LAYOUTS
             if tier == "lossless" or (op[0] not in POINTWISE and dn != "fp32")]
+    jobs += [(rope_type, "all", dn, layout) for rope_type, layouts in ROTARY_LAYOUTS.items()
+             for dn in DTYPES for layout in layouts]
     for i, (op, tier, dn, layout) in enumerate(jobs):
-        row = dict(op=op[0], tier="all" if op[0] in POINTWISE or dn == "fp32" else tier, dtype=dn, layout=layout)
+        rope = op in ROTARY_LAYOUTS
+        name = f"rotary[{op}]" if rope else op[0]
+        row = dict(op=name, tier="all" if rope or name in POINTWISE or dn == "fp32" else tier, dtype=dn, layout=layout)
         if not cuda:
             row.update(status="eager fallback", detail="no CUDA device")
         elif not HAS_TRITON:
             row.update(status="eager fallback", detail="triton is not installed")
+        elif rope:
+            row.update(_check_rotary(op, DTYPES[dn], layout, shapes, gen))
         else:
             row.update(_check(op, tier, DTYPES[dn], layout, shapes, gen))
         report["paths"].append(row)

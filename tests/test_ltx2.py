@@ -54,7 +54,12 @@ def _assert_equal(out, ref):
 
 
 def _is_stock(model) -> bool:
-    return "forward" not in model.__dict__ and all("forward" not in b.__dict__ for b in model.transformer_blocks)
+    processors = [m.processor for m in model.modules() if hasattr(m, "processor")]
+    return (
+        "forward" not in model.__dict__
+        and all("forward" not in b.__dict__ for b in model.transformer_blocks)
+        and all(type(p).__module__.startswith("diffusers.") for p in processors)
+    )
 
 
 def _check_identity(model, kwargs_list):
@@ -250,6 +255,60 @@ def test_every_adaln_site_is_routed(monkeypatch, variant, options, per_block):
     names = {r[2] for r in records}
     assert names == {"head"} | {f"transformer_blocks.{i}" for i in range(n)}
     _assert_equal(out, ref)
+
+
+@pytest.mark.parametrize(
+    "variant,options,per_block",
+    [
+        ("2.0", {}, 4),
+        ("2.3", {}, 4),
+        ("2.0", {"isolate_modalities": True}, 2),
+        ("2.3", {"stg_blocks": [0, 1], "perturbation_mask": torch.tensor([0.0, 1.0])}, 4),  # perturbed processor
+    ],
+)
+def test_every_rope_goes_through_the_rotary_site(monkeypatch, variant, options, per_block):
+    """Video and audio self-attention, a2v and v2a: each rotates its query and key
+    through `rotary_site`; the processors keep their backend state and come back on restore."""
+    model = _model(variant)
+    kw = make_inputs(model, batch=2, **options)
+    ref = _run(model, kw)
+    processors = {id(m): m.processor for m in model.modules() if hasattr(m, "processor")}
+    for p in processors.values():
+        p._attention_backend = "native"  # diffusers' set_attention_backend sets this on the instance
+    calls = []
+    real = sites.rotary_site
+
+    def counting(query, key, qf, kf, rope_type):
+        calls.append(rope_type)
+        return real(query, key, qf, kf, rope_type)
+
+    monkeypatch.setattr(sites, "rotary_site", counting)
+    with bitfuse.accelerate(model):
+        assert all(type(p).__module__ == "bitfuse.models.ltx2" for p in processors.values())
+        out = _run(model, kw)
+    assert _is_stock(model)
+    assert all(m.processor is processors[id(m)] and m.processor._attention_backend == "native"
+               for m in model.modules() if hasattr(m, "processor"))
+    assert len(calls) == per_block * len(model.transformer_blocks)
+    assert set(calls) == {"split" if variant == "2.3" else "interleaved"}
+    _assert_equal(out, ref)
+
+
+def test_other_processors_are_left_alone():
+    model = _model("2.0")
+    kw = make_inputs(model, batch=1)
+    ref = _run(model, kw)
+    block = model.transformer_blocks[0]
+
+    class Mine(type(block.attn1.processor)):
+        pass
+
+    mine = Mine()
+    block.attn1.set_processor(mine)
+    with bitfuse.accelerate(model):
+        assert type(block.attn1.processor) is Mine
+        assert type(block.attn2.processor).__module__ == "bitfuse.models.ltx2"
+        _assert_equal(_run(model, kw), ref)
 
 
 def test_sites_change_the_output_when_they_change():

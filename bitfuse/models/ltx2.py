@@ -13,9 +13,15 @@ and residual expressions replaced by site calls:
     y = y * gate; x = x + y              -> the same (one expression, the same two roundings)
     norm_out(x) * (1 + scale) + shift    -> sites.layer_norm_modulate_site(model, norm_out, x, scale, shift)
 
-Everything else (attention modules and their processors, feed-forwards, the
-timestep embeddings, RoPE) is called exactly as diffusers calls it, so
-attention backends, processors, LoRA scaling and hooks keep working. The
+The stock attention processors (`LTX2AudioVideoAttnProcessor`,
+`LTX2PerturbedAttnProcessor`) get the same treatment for RoPE: their
+instances switch `__class__` to copies whose query/key rotation goes through
+`sites.rotary_site`, keeping the instance's backend settings; a processor of
+any other class is left alone.
+
+Everything else (attention modules, feed-forwards, the timestep embeddings,
+the RoPE frequencies) is called exactly as diffusers calls it, so attention
+backends, other processors, LoRA scaling and hooks keep working. The
 modulation parameters are the strided `unbind` views diffusers makes; they go
 to the sites as they are (no densifying copy).
 
@@ -46,8 +52,11 @@ from .. import policy, sites
 from . import UnsupportedModelError
 
 import diffusers  # noqa: E402  (this module is only imported for diffusers models)
+from diffusers.models.transformers import transformer_ltx2 as _ltx2_module  # noqa: E402
 from diffusers.models.transformers.transformer_ltx2 import (  # noqa: E402
     AudioVisualModelOutput,
+    LTX2AudioVideoAttnProcessor,
+    LTX2PerturbedAttnProcessor,
     LTX2AudioVideoRotaryPosEmbed,
     LTX2VideoTransformer3DModel,
     LTX2VideoTransformerBlock,
@@ -80,6 +89,11 @@ VERIFIED_SOURCES = {
     "LTX2AudioVideoRotaryPosEmbed.prepare_video_coords": (
         "b6ef8d04012f7062f849a059eb14c295c64e789042de387713cf97ed219179ee"
     ),
+    "LTX2AudioVideoAttnProcessor.__call__": "0391667b7f0a45ae803d1e8574e2545e6dd29f16dfd2309289a340c12548ccc8",
+    "LTX2PerturbedAttnProcessor.__call__": "ab3b88fd4d26207272132699a1636744bde6692fd57b141f4b0444157131f6e0",
+    # reproduced by bitfuse.ops.rotary (kernel and reference)
+    "apply_interleaved_rotary_emb": "755d35ce421998d49d904de76cb02b9a04b0dd854241ee376c9b5f3d08f59262",
+    "apply_split_rotary_emb": "101de9c72dfea98a381140a316fdc613a71b3bb4f3a1521ef03e75f7e7205eb8",
 }
 
 
@@ -97,6 +111,10 @@ def _stock_functions() -> dict:
         "LTX2VideoTransformerBlock.get_mod_params": LTX2VideoTransformerBlock.get_mod_params,
         "LTX2VideoTransformer3DModel.forward": inspect.unwrap(LTX2VideoTransformer3DModel.forward),
         "LTX2AudioVideoRotaryPosEmbed.prepare_video_coords": LTX2AudioVideoRotaryPosEmbed.prepare_video_coords,
+        "LTX2AudioVideoAttnProcessor.__call__": LTX2AudioVideoAttnProcessor.__call__,
+        "LTX2PerturbedAttnProcessor.__call__": LTX2PerturbedAttnProcessor.__call__,
+        "apply_interleaved_rotary_emb": _ltx2_module.apply_interleaved_rotary_emb,
+        "apply_split_rotary_emb": _ltx2_module.apply_split_rotary_emb,
     }
 
 
@@ -699,6 +717,179 @@ def _model_forward(
     return AudioVisualModelOutput(sample=output, audio_sample=audio_output)
 
 
+# ---------------------------------------------------------------- attention processors
+
+
+def _rope(attn, query, key, query_rotary_emb, key_rotary_emb):
+    # diffusers: apply_{interleaved,split}_rotary_emb(query, ...), then (key, key_rotary_emb or query's)
+    if attn.rope_type in ("interleaved", "split"):
+        return sites.rotary_site(query, key, query_rotary_emb, key_rotary_emb, attn.rope_type)
+    return query, key
+
+
+class _AttnProcessor(LTX2AudioVideoAttnProcessor):
+    """diffusers 0.42.1 `LTX2AudioVideoAttnProcessor.__call__`, RoPE through bitfuse.
+
+    Installed by switching an existing processor's `__class__`, so its state (the
+    attention backend, the parallel config set by diffusers) stays as it is."""
+
+    def __call__(
+        self,
+        attn,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        query_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        key_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        batch_size, sequence_length, _ = (
+            hidden_states.shape if encoder_hidden_states is None else encoder_hidden_states.shape
+        )
+
+        if attention_mask is not None:
+            attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
+            attention_mask = attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])
+
+        if encoder_hidden_states is None:
+            encoder_hidden_states = hidden_states
+
+        if attn.to_gate_logits is not None:
+            gate_logits = attn.to_gate_logits(hidden_states)
+
+        query = attn.to_q(hidden_states)
+        key = attn.to_k(encoder_hidden_states)
+        value = attn.to_v(encoder_hidden_states)
+
+        query = attn.norm_q(query)
+        key = attn.norm_k(key)
+
+        if query_rotary_emb is not None:
+            query, key = _rope(attn, query, key, query_rotary_emb, key_rotary_emb)
+
+        query = query.unflatten(2, (attn.heads, -1))
+        key = key.unflatten(2, (attn.heads, -1))
+        value = value.unflatten(2, (attn.heads, -1))
+
+        hidden_states = _ltx2_module.dispatch_attention_fn(
+            query,
+            key,
+            value,
+            attn_mask=attention_mask,
+            dropout_p=0.0,
+            is_causal=False,
+            backend=self._attention_backend,
+            parallel_config=self._parallel_config,
+        )
+        hidden_states = hidden_states.flatten(2, 3)
+        hidden_states = hidden_states.to(query.dtype)
+
+        if attn.to_gate_logits is not None:
+            hidden_states = hidden_states.unflatten(2, (attn.heads, -1))  # [B, T, H, D]
+            gates = 2.0 * torch.sigmoid(gate_logits)  # [B, T, H]
+            hidden_states = hidden_states * gates.unsqueeze(-1)
+            hidden_states = hidden_states.flatten(2, 3)
+
+        hidden_states = attn.to_out[0](hidden_states)
+        hidden_states = attn.to_out[1](hidden_states)
+        return hidden_states
+
+
+class _PerturbedAttnProcessor(LTX2PerturbedAttnProcessor):
+    """diffusers 0.42.1 `LTX2PerturbedAttnProcessor.__call__`, RoPE through bitfuse
+    (installed as `_AttnProcessor` is)."""
+
+    def __call__(
+        self,
+        attn,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        query_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        key_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        perturbation_mask: torch.Tensor | None = None,
+        all_perturbed: bool | None = None,
+    ) -> torch.Tensor:
+        batch_size, sequence_length, _ = (
+            hidden_states.shape if encoder_hidden_states is None else encoder_hidden_states.shape
+        )
+
+        if attention_mask is not None:
+            attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
+            attention_mask = attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])
+
+        if encoder_hidden_states is None:
+            encoder_hidden_states = hidden_states
+
+        if attn.to_gate_logits is not None:
+            gate_logits = attn.to_gate_logits(hidden_states)
+
+        value = attn.to_v(encoder_hidden_states)
+        if all_perturbed is None:
+            all_perturbed = torch.all(perturbation_mask == 0) if perturbation_mask is not None else False
+
+        if all_perturbed:
+            hidden_states = value
+        else:
+            query = attn.to_q(hidden_states)
+            key = attn.to_k(encoder_hidden_states)
+
+            query = attn.norm_q(query)
+            key = attn.norm_k(key)
+
+            if query_rotary_emb is not None:
+                query, key = _rope(attn, query, key, query_rotary_emb, key_rotary_emb)
+
+            query = query.unflatten(2, (attn.heads, -1))
+            key = key.unflatten(2, (attn.heads, -1))
+            value = value.unflatten(2, (attn.heads, -1))
+
+            hidden_states = _ltx2_module.dispatch_attention_fn(
+                query,
+                key,
+                value,
+                attn_mask=attention_mask,
+                dropout_p=0.0,
+                is_causal=False,
+                backend=self._attention_backend,
+                parallel_config=self._parallel_config,
+            )
+            hidden_states = hidden_states.flatten(2, 3)
+            hidden_states = hidden_states.to(query.dtype)
+
+            if perturbation_mask is not None:
+                value = value.flatten(2, 3)
+                hidden_states = torch.lerp(value, hidden_states, perturbation_mask)
+
+        if attn.to_gate_logits is not None:
+            hidden_states = hidden_states.unflatten(2, (attn.heads, -1))  # [B, T, H, D]
+            gates = 2.0 * torch.sigmoid(gate_logits)  # [B, T, H]
+            hidden_states = hidden_states * gates.unsqueeze(-1)
+            hidden_states = hidden_states.flatten(2, 3)
+
+        hidden_states = attn.to_out[0](hidden_states)
+        hidden_states = attn.to_out[1](hidden_states)
+        return hidden_states
+
+
+#: stock processor class -> ours; a processor of any other class (a user's) is left alone
+_PROCESSORS = {LTX2AudioVideoAttnProcessor: _AttnProcessor, LTX2PerturbedAttnProcessor: _PerturbedAttnProcessor}
+
+
+class _ProcessorSwap:
+    """Our processor class on one stock processor instance."""
+
+    __slots__ = ("processor", "stock")
+
+    def __init__(self, processor):
+        self.processor = processor
+        self.stock = type(processor)
+        processor.__class__ = _PROCESSORS[self.stock]
+
+    def undo(self) -> None:
+        if type(self.processor) is _PROCESSORS[self.stock]:
+            self.processor.__class__ = self.stock
+
+
 # ---------------------------------------------------------------- installing per instance
 
 
@@ -770,7 +961,7 @@ class LTX2Handle:
         self.blocks = list(model.transformer_blocks)
         self.graphs = None
         self.pipeline = None
-        self._installs: list[_Install] = []
+        self._installs: list = []  # _Install and _ProcessorSwap, undone in reverse
         self._marked: list[torch.nn.Module] = []
         self.active = False
 
@@ -861,6 +1052,12 @@ def accelerate(model, *, quality: str = "lossless", force: bool = False) -> LTX2
                 sites.mark_site(block, f"transformer_blocks.{i}", norms=_fused_norms(block))
                 handle._marked.append(block)
             handle._installs.append(_Install(model, LTX2VideoTransformer3DModel.forward, _model_forward))
+            swapped = set()
+            for module in model.modules():
+                processor = getattr(module, "processor", None)
+                if type(processor) in _PROCESSORS and id(processor) not in swapped:
+                    handle._installs.append(_ProcessorSwap(processor))
+                    swapped.add(id(processor))
             sites.mark_site(model, "head", norms=(model.norm_out, model.audio_norm_out))
             handle._marked.append(model)
             handle.active = True

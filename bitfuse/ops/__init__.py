@@ -7,6 +7,7 @@ from .gated_residual import gated_residual, gated_residual_reference
 from .layer_norm_modulate import layer_norm_modulate, layer_norm_modulate_reference
 from .modulate import modulate, modulate_reference
 from .rms_norm_modulate import rms_norm_modulate, rms_norm_modulate_reference
+from .rotary import rotary, rotary_reference
 
 __all__ = [
     "modulate",
@@ -17,4 +18,6 @@ __all__ = [
     "rms_norm_modulate_reference",
     "layer_norm_modulate",
     "layer_norm_modulate_reference",
+    "rotary",
+    "rotary_reference",
 ]
