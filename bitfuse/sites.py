@@ -24,7 +24,7 @@ from . import policy
 from .ops.gated_residual import gated_residual_reference, launch_gated_residual, plan_gated_residual
 from .ops.layer_norm_modulate import launch_layer_norm_modulate, plan_layer_norm_modulate
 from .ops.modulate import launch_modulate, modulate_reference, plan_modulate
-from .ops.rms_norm_modulate import launch_rms_norm_modulate, plan_rms_norm_modulate
+from .ops.rms_norm_modulate import launch_rms_norm_modulate, plan_rms_norm, plan_rms_norm_modulate
 from .ops.rotary import launch_rotary, plan_rotary, rotary_reference
 
 # ---------------------------------------------------------------- marking and mounting
@@ -215,6 +215,21 @@ def rms_norm_modulate_site(block, norm, x, scale, shift, eps=None):
                             block, norm, x, scale, shift, eps)
 
 
+def rms_norm_site(norm, x, *, site=None):
+    """`norm(x)` for a weightless RMSNorm whose output is modulated more than once
+    (LTX-2's a2v/v2a norms): the exact kernel without its modulate, bit-exact in
+    every tier."""
+    if _plain():
+        return norm(x)
+    kind = norm_kind(norm)
+    if kind not in ("diffusers", "aten"):
+        return norm(x)
+    plan = plan_rms_norm(x, norm.eps, kind)
+    if plan.__class__ is str:
+        return norm(x)
+    return policy.gated("rms_norm", "exact", plan, launch_rms_norm_modulate, norm, (x,))
+
+
 def layer_norm_modulate_site(block, norm, x, scale, shift, eps=None):
     """`norm(x) * (1 + scale) + shift` for LayerNorm without affine; tiers as above."""
     if _plain():
@@ -258,6 +273,7 @@ __all__ = [
     "modulate_site",
     "gated_residual_site",
     "rms_norm_modulate_site",
+    "rms_norm_site",
     "layer_norm_modulate_site",
     "rotary_site",
     "norm_kind",

@@ -355,3 +355,20 @@ def test_custom_ops_fake_shapes():
         assert torch.ops.bitfuse.layer_norm_modulate(fx, fc, fh, EPS).shape == x.shape
     # eager call of the registered op: CPU tensors take the reference
     assert torch.equal(torch.ops.bitfuse.layer_norm_modulate(x, c, h, EPS), LN.layer_norm_modulate_reference(x, c, h, EPS))
+
+
+@interpreter
+@pytest.mark.parametrize("kind", ["diffusers", "aten"])
+def test_norm_alone_is_the_fused_kernels_n(kind):
+    """plan_rms_norm writes the n the modulate kernel uses: with scale = shift = 0 the
+    fused output is n itself (fp32: n * 1 + 0 == n)."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 5, 256, generator=g)
+    plan = RMS._plan(x, x, x, EPS, kind, True, cpu_ok=True)
+    plan.modulate = False
+    n = RMS.launch_rms_norm_modulate(plan, True)
+    zeros = torch.zeros(256)
+    assert torch.equal(n, _launch(kind, x, zeros, zeros, True))
+    torch.testing.assert_close(n, RMS.rms_norm_reference(x, EPS, kind), rtol=2e-5, atol=2e-5)
+    with pytest.raises(ValueError, match="exact kernel"):
+        RMS.launch_rms_norm_modulate(plan, False)

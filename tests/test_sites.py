@@ -195,6 +195,30 @@ def test_norm_sites_on_cpu_equal_eager(tier):
                 assert torch.equal(site(None, norm, x, scale, shift), norm(x) * (1 + scale) + shift)
 
 
+def test_rms_norm_site_is_exact_in_every_tier(monkeypatch):
+    """The norm alone (a2v/v2a): the exact kernel in every tier, plain while compiling,
+    the module itself for norms it does not reproduce."""
+    from diffusers.models.normalization import RMSNorm
+
+    x = _operands()[0]
+    norm = RMSNorm(8, eps=1e-6, elementwise_affine=False)
+    calls = []
+    monkeypatch.setattr(sites, "plan_rms_norm", lambda x, eps, kind: (calls.append(kind), FakePlan())[1])
+    monkeypatch.setattr(sites, "launch_rms_norm_modulate", lambda plan: norm(x))
+    for tier in ("lossless", "high"):
+        with bitfuse.quality(tier), torch.no_grad():
+            assert torch.equal(sites.rms_norm_site(norm, x), norm(x))
+    assert calls == ["diffusers", "diffusers"]
+    assert [v.op for v in policy.verdicts()] == ["rms_norm"]
+    affine = RMSNorm(8, eps=1e-6, elementwise_affine=True)
+    with torch.no_grad():
+        assert torch.equal(sites.rms_norm_site(affine, x), affine(x))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with torch.no_grad():
+        assert torch.equal(sites.rms_norm_site(norm, x), norm(x))
+    assert len(calls) == 2
+
+
 # ---------------------------------------------------------------- bad input
 
 

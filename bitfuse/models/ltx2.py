@@ -7,6 +7,7 @@ coordinate helper), line by line from diffusers 0.42.1, with only the adaLN
 and residual expressions replaced by site calls:
 
     norm(x) * (1 + scale) + shift        -> sites.rms_norm_modulate_site(block, norm, x, scale, shift)
+    norm(x), modulated twice (a2v, v2a)  -> sites.rms_norm_site(norm, x, site=block)
     x * (1 + scale) + shift              -> sites.modulate_site(x, scale, shift, site=block)
     x + y * gate                         -> sites.gated_residual_site(x, y, gate, site=block)
     x + gate * y                         -> the same (fp multiplication commutes: bitwise equal)
@@ -327,8 +328,9 @@ def _block_forward(
     # 3. Audio-to-Video (a2v) and Video-to-Audio (v2a) Cross-Attention
     if use_a2v_cross_attention or use_v2a_cross_attention:
         # one normed tensor each, modulated twice below (a2v and v2a), as diffusers does
-        norm_hidden_states = self.audio_to_video_norm(hidden_states)
-        norm_audio_hidden_states = self.video_to_audio_norm(audio_hidden_states)
+        # diffusers: self.audio_to_video_norm(hidden_states), self.video_to_audio_norm(audio_hidden_states)
+        norm_hidden_states = sites.rms_norm_site(self.audio_to_video_norm, hidden_states, site=self)
+        norm_audio_hidden_states = sites.rms_norm_site(self.video_to_audio_norm, audio_hidden_states, site=self)
 
         # 3.1. Combine global and per-layer cross attention modulation parameters
         # Video

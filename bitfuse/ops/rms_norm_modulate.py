@@ -155,6 +155,7 @@ def _rms_norm_modulate_exact_kernel(
     BLOCK_D: tl.constexpr,
     RSQRT_ASM: tl.constexpr,
     R: tl.constexpr,
+    MODULATE: tl.constexpr = True,  # False: write the norm's output n (scale/shift unread)
 ):
     NV: tl.constexpr = D // 4
     NJ: tl.constexpr = (NV + LANES - 1) // LANES
@@ -236,12 +237,16 @@ def _rms_norm_modulate_exact_kernel(
         m2 = rmask[:, None] & (cols < D)[None, :]
         xf = tl.load(x_ptr + (x_row[:, None] + cols[None, :]), mask=m2, other=0.0,
                      eviction_policy="evict_first").to(tl.float32)
-        n = (xf * r[:, None]).to(dtype).to(tl.float32)
-        scale = tl.load(scale_ptr + (c_row[:, None] + cols[None, :] * c_sd), mask=m2, other=0.0).to(tl.float32)
-        shift = tl.load(shift_ptr + (h_row[:, None] + cols[None, :] * h_sd), mask=m2, other=0.0).to(tl.float32)
-        t = (1.0 + scale).to(dtype).to(tl.float32)
-        p = (n * t).to(dtype).to(tl.float32)
-        tl.store(out_ptr + (o_row[:, None] + cols[None, :]), (p + shift).to(dtype), mask=m2)
+        n = (xf * r[:, None]).to(dtype)
+        if MODULATE:
+            n = n.to(tl.float32)
+            scale = tl.load(scale_ptr + (c_row[:, None] + cols[None, :] * c_sd), mask=m2, other=0.0).to(tl.float32)
+            shift = tl.load(shift_ptr + (h_row[:, None] + cols[None, :] * h_sd), mask=m2, other=0.0).to(tl.float32)
+            t = (1.0 + scale).to(dtype).to(tl.float32)
+            p = (n * t).to(dtype).to(tl.float32)
+            tl.store(out_ptr + (o_row[:, None] + cols[None, :]), (p + shift).to(dtype), mask=m2)
+        else:
+            tl.store(out_ptr + (o_row[:, None] + cols[None, :]), n, mask=m2)
     else:
         for j in tl.static_range(NJ):
             col = (j * CH + within)[None, :, :]
@@ -250,12 +255,16 @@ def _rms_norm_modulate_exact_kernel(
                 xf = xs[j].to(tl.float32)
             else:
                 xf = tl.load(x_ptr + (x_base + col), mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            n = (xf * r3).to(dtype).to(tl.float32)
-            scale = tl.load(scale_ptr + (c_base + col * c_sd), mask=m, other=0.0).to(tl.float32)
-            shift = tl.load(shift_ptr + (h_base + col * h_sd), mask=m, other=0.0).to(tl.float32)
-            t = (1.0 + scale).to(dtype).to(tl.float32)
-            p = (n * t).to(dtype).to(tl.float32)
-            tl.store(out_ptr + (o_base + col), (p + shift).to(dtype), mask=m)
+            n = (xf * r3).to(dtype)
+            if MODULATE:
+                n = n.to(tl.float32)
+                scale = tl.load(scale_ptr + (c_base + col * c_sd), mask=m, other=0.0).to(tl.float32)
+                shift = tl.load(shift_ptr + (h_base + col * h_sd), mask=m, other=0.0).to(tl.float32)
+                t = (1.0 + scale).to(dtype).to(tl.float32)
+                p = (n * t).to(dtype).to(tl.float32)
+                tl.store(out_ptr + (o_base + col), (p + shift).to(dtype), mask=m)
+            else:
+                tl.store(out_ptr + (o_base + col), n, mask=m)
 
 
 @_row_kernel("n_rows", "S")
@@ -363,13 +372,15 @@ class RMSNormModulatePlan:
     """A call that passed the guard: operands, geometry, reduction order, gate key."""
 
     __slots__ = ("x", "scale", "shift", "rows", "c_strides", "h_strides", "eps", "reference",
-                 "lanes", "factor", "key")
+                 "lanes", "factor", "key", "modulate")
 
-    def __init__(self, x, scale, shift, rows, c_strides, h_strides, eps, reference, lanes, factor, key):
+    def __init__(self, x, scale, shift, rows, c_strides, h_strides, eps, reference, lanes, factor, key,
+                 modulate=True):
         self.x, self.scale, self.shift = x, scale, shift
         self.rows, self.c_strides, self.h_strides = rows, c_strides, h_strides
         self.eps, self.reference = eps, reference
         self.lanes, self.factor, self.key = lanes, factor, key
+        self.modulate = modulate  # False: the norm alone (plan_rms_norm)
 
 
 def _check_operands(x, scale, shift, *, cpu_ok=False):
@@ -396,6 +407,17 @@ def _check_operands(x, scale, shift, *, cpu_ok=False):
 def plan_rms_norm_modulate(x, scale, shift, eps, reference, exact: bool = True):
     """The guard: a plan for the kernel, or the reason the call takes the reference."""
     return _plan(x, scale, shift, eps, reference, exact)
+
+
+def plan_rms_norm(x, eps, reference):
+    """The guard for the norm alone, `rms_norm_reference(x, eps, reference)` bit for bit
+    (the exact kernel without its modulate: for a normed tensor modulated twice)."""
+    plan = _plan(x, x, x, eps, reference, True)  # scale/shift: placeholders, never read
+    if plan.__class__ is str:
+        return plan
+    plan.modulate = False
+    plan.key = (x.dtype, x.get_device(), reference, f"D={x.shape[-1]}", f"lanes={plan.lanes}")
+    return plan
 
 
 def _plan(x, scale, shift, eps, reference, exact, cpu_ok=False):
@@ -457,6 +479,8 @@ def launch_rms_norm_modulate(plan, exact: bool = True, config=None, out=None, st
     `stats` (fp32, 2 per row; exact mode): receives each row's statistic (diffusers:
     the mean; aten: sigma2 / D) and its rsqrt, for checks against aten's."""
     x, r = plan.x, plan.rows
+    if not (exact or plan.modulate):
+        raise ValueError("a norm-only plan (plan_rms_norm) runs the exact kernel")
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     n_rows = r.B * r.S
@@ -474,7 +498,7 @@ def launch_rms_norm_modulate(plan, exact: bool = True, config=None, out=None, st
             dict(D=r.D, REF=0 if plan.reference == "diffusers" else 1,
                  LANES=lanes, XSTEPS=max(lanes.bit_length() - 1 - 5, 0),
                  WARP_INC=WARP_INC, PASS2=pass2, BLOCK_D=triton.next_power_of_2(r.D),
-                 RSQRT_ASM=RSQRT_ASM and not INTERPRET, R=R),
+                 RSQRT_ASM=RSQRT_ASM and not INTERPRET, R=R, MODULATE=plan.modulate),
             dict(num_warps=num_warps, enable_fp_fusion=False),
         )
     else:

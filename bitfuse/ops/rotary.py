@@ -9,12 +9,16 @@ Two layouts, after diffusers' `apply_interleaved_rotary_emb` and
   (diffusers passes a `swapaxes` view).
 
 Eager computes in fp32 and rounds after every op. Interleaved:
-`x.float() * cos + x_rot.float() * sin`, then the cast. Split: `x * cos`,
-then `addcmul_`, which rounds the product `b * c` before the sum
-(aten PointwiseOpsKernel.cu: `a + alpha * (b * c)`, alpha = 1). Both come to
-    out_a = f32(f32(a * cos) + f32(-b * sin)),  out_b = f32(f32(b * cos) + f32(a * sin))
-cast to x's dtype, which the kernels compute with FMA contraction off: the
-result is exact, so every tier gets it.
+`x.float() * cos + x_rot.float() * sin`, then the cast:
+    out_a = f32(f32(a * cos) + f32(-b * sin)),  out_b = f32(f32(b * cos) + f32(a * sin)).
+Split: `out = x * cos`, then `out[:r].addcmul_(-sin, x[r:])` and
+`out[r:].addcmul_(sin, x[:r])`. How aten's CUDA addcmul rounds depends on the
+torch build: from pytorch#172750 (torch 2.11) it is one FMA,
+fma(-sin, b, f32(a * cos)); before, `a + alpha * (b * c)` rounded the product
+first, as the interleaved form does. `addcmul_fuses` probes which, once per
+device, and the split kernel follows it. Kernels launch with FMA contraction
+off (every other product is rounded, as eager's): the result is exact, so
+every tier gets it.
 
 One launch rotates the query and the key when they share the frequencies
 (self-attention): cos and sin, fp32 and the largest operands, are read once.
@@ -87,6 +91,7 @@ def _rotary_split_kernel(
     HAS_Y: tl.constexpr,
     EVEN: tl.constexpr,
     INT64: tl.constexpr,
+    FMA: tl.constexpr,  # eager's addcmul_ is one FMA (see addcmul_fuses)
     R: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -110,19 +115,51 @@ def _rotary_split_kernel(
     xb = tl.load(x_ptr + row_x + col_b * x_sd, mask=mask).to(tl.float32)
     row_o = (b * S + s) * C
     dtype = xo_ptr.dtype.element_ty
-    # eager: out = x * cos; out[:r].addcmul_(-sin, x[r:]); out[r:].addcmul_(sin, x[:r])
-    tl.store(xo_ptr + row_o + col_a, (xa * c + (-n) * xb).to(dtype), mask=mask)
-    tl.store(xo_ptr + row_o + col_b, (xb * c + n * xa).to(dtype), mask=mask)
+    oa, ob = _rotate_halves(xa, xb, c, n, FMA)
+    tl.store(xo_ptr + row_o + col_a, oa.to(dtype), mask=mask)
+    tl.store(xo_ptr + row_o + col_b, ob.to(dtype), mask=mask)
     if HAS_Y:
         row_y = b * y_sb + s * y_ss
         ya = tl.load(y_ptr + row_y + col_a * y_sd, mask=mask).to(tl.float32)
         yb = tl.load(y_ptr + row_y + col_b * y_sd, mask=mask).to(tl.float32)
-        tl.store(yo_ptr + row_o + col_a, (ya * c + (-n) * yb).to(dtype), mask=mask)
-        tl.store(yo_ptr + row_o + col_b, (yb * c + n * ya).to(dtype), mask=mask)
+        oa, ob = _rotate_halves(ya, yb, c, n, FMA)
+        tl.store(yo_ptr + row_o + col_a, oa.to(dtype), mask=mask)
+        tl.store(yo_ptr + row_o + col_b, ob.to(dtype), mask=mask)
+
+
+@jit
+def _rotate_halves(a, b, c, n, FMA: tl.constexpr):
+    # eager: out = x * cos; out[:r].addcmul_(-sin, x[r:]); out[r:].addcmul_(sin, x[:r])
+    if FMA:
+        return tl.fma(-n, b, a * c), tl.fma(n, a, b * c)
+    else:
+        return a * c + (-n) * b, b * c + n * a
 
 
 _launch_interleaved = FastLaunch(_rotary_interleaved_kernel, ("HAS_Y", "EVEN", "INT64", "BLOCK"))
-_launch_split = FastLaunch(_rotary_split_kernel, ("HAS_Y", "EVEN", "INT64", "R", "BLOCK"))
+_launch_split = FastLaunch(_rotary_split_kernel, ("HAS_Y", "EVEN", "INT64", "FMA", "R", "BLOCK"))
+
+
+_ADDCMUL_FUSES: dict = {}
+
+
+def addcmul_fuses(device) -> bool | None:
+    """Whether eager `torch.addcmul(a, b, c)` (fp32, value 1) on this CUDA device rounds
+    once (an FMA) rather than rounding `b * c` first. Probed once per device: with
+    b = 1 + 2**-12, b * b is inexact in fp32, so addcmul(-fl(b * b), b, b) is the
+    rounding error with an FMA and 0 without. None where it is not yet known and
+    can't be probed (torch.compile tracing, CUDA-graph capture)."""
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    known = _ADDCMUL_FUSES.get(index)
+    if known is not None:
+        return known
+    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        return None
+    b = torch.full((1,), 1 + 2**-12, dtype=torch.float32, device=f"cuda:{index}")
+    fused = bool(torch.addcmul(-(b * b), b, b).item() != 0)
+    _ADDCMUL_FUSES[index] = fused
+    return fused
 
 
 # ---------------------------------------------------------------- launcher
@@ -146,6 +183,7 @@ class RotaryPlan(NamedTuple):
     R: int  # split: channels per half-head; interleaved: 0
     key: tuple
     wide: bool
+    fma: bool = False  # split: eager's addcmul_ is one FMA here
 
 
 _geometry: dict = {}
@@ -179,7 +217,12 @@ def plan_rotary(x, cos, sin, rope_type: str, y=None) -> RotaryPlan | str:
         _geometry[parts] = geometry
     if geometry.__class__ is str:
         return geometry
-    return RotaryPlan(rope_type, x, y, cos, sin, *geometry)
+    fma = False
+    if rope_type == "split":
+        fma = addcmul_fuses(x.device)
+        if fma is None:
+            return "aten's addcmul rounding not probed yet on this device (capturing or compiling)"
+    return RotaryPlan(rope_type, x, y, cos, sin, *geometry, fma)
 
 
 def _freq_strides_interleaved(f, shape):
@@ -269,7 +312,7 @@ def launch_rotary(plan: RotaryPlan, config=None, out=None):
         _launch_split(
             (S, cdiv(C // 2, block), B), tensors,
             (S, C, *plan.x_strides, *ys, *plan.c_strides, *plan.n_strides),
-            (y is not None, (C // 2) % block == 0, plan.wide, plan.R, block),
+            (y is not None, (C // 2) % block == 0, plan.wide, plan.fma, plan.R, block),
             num_warps,
         )
     return (xo, yo) if y is not None else xo

@@ -229,3 +229,18 @@ def test_high_gate_criterion(kind):
         expect = n * (1 + c) + h
     terms = (n.float() * (1 + c.float())).abs().maximum(h.float().abs()).maximum(expect.float().abs())
     assert within_one_ulp_at(out, expect, terms, NORM_HIGH_ULPS)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("B,S,D", [(1, 6144, 4096), (2, 1031, 2048), (1, 126, 2048), (2, 97, 3072)])
+@pytest.mark.parametrize("kind", ["diffusers", "aten"])
+def test_norm_alone_is_lossless(kind, dtype, B, S, D):
+    """The exact kernel without its modulate (LTX-2's a2v/v2a norms): `torch.equal` to the norm."""
+    g = torch.Generator(device="cuda").manual_seed(B * S + D)
+    x = rows(B, S, D, DTYPES[dtype], g)
+    plan = RMS.plan_rms_norm(x, EPS, kind)
+    assert not isinstance(plan, str), plan
+    out = torch.full(x.shape, float("nan"), dtype=x.dtype, device="cuda")
+    RMS.launch_rms_norm_modulate(plan, True, out=out)
+    expect = RMS.rms_norm_reference(x, EPS, kind)
+    assert same_values(out, expect), f"{int((out != expect).sum())} of {out.numel()} differ"
