@@ -7,6 +7,10 @@ A site picks a path per call:
 - otherwise the tier in force picks the kernel mode, and the first-sight gate
   decides whether the fast path may run here.
 
+Parameters (`scale`, `shift`, `gate`) are tensors, or `Folded(table_row, temb)`:
+diffusers' `table + temb` not yet added, which the kernels add on the fly with
+eager's rounding (and every other path materialises first).
+
 The tier in force is the one requested by an enclosing `bitfuse.quality(...)`,
 else the one mounted on the site, else "lossless".
 
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from . import policy
+from .ops._pointwise import Folded, value
 from .ops.gated_residual import gated_residual_reference, launch_gated_residual, plan_gated_residual
 from .ops.layer_norm_modulate import launch_layer_norm_modulate, plan_layer_norm_modulate
 from .ops.modulate import launch_modulate, modulate_reference, plan_modulate
@@ -112,7 +117,7 @@ def modulate_site(x, scale, shift, *, site=None):
     """`x * (1 + scale) + shift`, bit-exact in every tier (a memory-bound op gains
     nothing from fewer roundings). `site` is accepted for symmetry with the norm sites."""
     if _plain():
-        return x * (1 + scale) + shift
+        return x * (1 + value(scale)) + value(shift)
     plan = plan_modulate(x, scale, shift)
     if plan.__class__ is str:
         return modulate_reference(x, scale, shift)
@@ -122,7 +127,7 @@ def modulate_site(x, scale, shift, *, site=None):
 def gated_residual_site(x, y, gate, *, site=None):
     """`x + y * gate`, bit-exact in every tier."""
     if _plain():
-        return x + y * gate
+        return x + y * value(gate)
     plan = plan_gated_residual(x, y, gate)
     if plan.__class__ is str:
         return gated_residual_reference(x, y, gate)
@@ -158,7 +163,7 @@ def _rotary_pair(query, key, query_freqs, key_freqs, rope_type):
 
 def _modulate_terms(x, scale, shift):
     """Largest term magnitude of `x * (1 + scale) + shift` (the high tier's ULP scale)."""
-    return (x.float() * (1 + scale.float())).abs().maximum(shift.float().abs())
+    return (x.float() * (1 + value(scale).float())).abs().maximum(value(shift).float().abs())
 
 
 def _norm_modulate_terms(norm, x, scale, shift, site):
@@ -207,7 +212,7 @@ def rms_norm_modulate_site(block, norm, x, scale, shift, eps=None):
     verified here, else `norm(x)` then the exact modulate. high: the one-pass
     kernel (see NORM_HIGH_ULPS)."""
     if _plain():
-        return norm(x) * (1 + scale) + shift
+        return norm(x) * (1 + value(scale)) + value(shift)
     kind = norm_kind(norm)
     if kind not in ("diffusers", "aten"):
         return _norm_then_modulate(norm, x, scale, shift, block)
@@ -233,7 +238,7 @@ def rms_norm_site(norm, x, *, site=None):
 def layer_norm_modulate_site(block, norm, x, scale, shift, eps=None):
     """`norm(x) * (1 + scale) + shift` for LayerNorm without affine; tiers as above."""
     if _plain():
-        return norm(x) * (1 + scale) + shift
+        return norm(x) * (1 + value(scale)) + value(shift)
     if norm_kind(norm) != "layer_norm":
         return _norm_then_modulate(norm, x, scale, shift, block)
     return _fused_norm_site("layer_norm_modulate", plan_layer_norm_modulate, _launch_ln, (),
@@ -263,6 +268,7 @@ _launch_ln = {
 }
 
 __all__ = [
+    "Folded",
     "Site",
     "MountError",
     "mark_site",

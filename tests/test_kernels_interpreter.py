@@ -115,3 +115,42 @@ def test_guard_reasons():
     assert M.plan_modulate(x, torch.randn(8), torch.randn(8)) == "CPU tensor"
     assert M.plan_modulate(x, 1.0, torch.randn(8)) == "operand is not a tensor"
     assert G.plan_gated_residual(x, x, "gate") == "operand is not a tensor"
+
+
+@pytest.mark.parametrize("T", [1, 7])
+def test_folded_parameters_equal_the_materialised_sum(T):
+    """Folded(table row, temb view), as LTX-2's get_mod_params makes them: the kernels add
+    the row on the fly; fp32 output equals eager on the materialised `table + temb`."""
+    from bitfuse.ops._pointwise import Folded, table_of
+
+    g = torch.Generator().manual_seed(T)
+    B, S, D = 2, 7, 100
+    x, y = torch.randn(B, S, D, generator=g), torch.randn(B, S, D, generator=g)
+    table = torch.randn(6, D, generator=g)
+    t4 = torch.randn(B, T, 6 * D, generator=g).reshape(B, T, 6, D)
+    eager = (table[None, None] + t4).unbind(2)
+    shift, scale, gate = (Folded(table[i], t4[:, :, i]) for i in range(3))
+    for config in CONFIGS:
+        c, ct, _ = table_of(scale, x)
+        h, ht, _ = table_of(shift, x)
+        plan = M.ModulatePlan(x, c, h, *M._geometry_of(x, c, h, True, True), ct, ht)
+        assert plan.key[2].endswith("+table")
+        out = M.launch_modulate(plan, config, out=torch.full_like(x, float("nan")))
+        assert torch.equal(out, x * (1 + eager[1]) + eager[0])
+        plan = M.ModulatePlan(x, c, eager[0], *M._geometry_of(x, c, eager[0], True, False), ct, None)
+        assert torch.equal(M.launch_modulate(plan, config), x * (1 + eager[1]) + eager[0])
+        gg, gt, _ = table_of(gate, x)
+        plan = G.GatedResidualPlan(x, y, gg, *G._geometry_of(x, y, gg, True), gt)
+        out = G.launch_gated_residual(plan, config, out=torch.full_like(x, float("nan")))
+        assert torch.equal(out, x + y * eager[2])
+
+
+def test_folded_guard():
+    from bitfuse.ops._pointwise import Folded, table_of
+
+    x = torch.randn(2, 3, 8)
+    assert table_of(Folded(torch.randn(4), torch.randn(2, 1, 8)), x)[2] == "table row is not [D]"
+    assert "eager promotes" in table_of(Folded(torch.randn(8).double(), torch.randn(2, 1, 8)), x)[2]
+    f = Folded(torch.randn(8), torch.randn(2, 1, 8))
+    assert f.shape == (2, 1, 8) and f.squeeze(2) is f and f.squeeze(1).shape == (2, 8)
+    assert torch.equal(f.value(), f.table + f.temb)

@@ -20,6 +20,7 @@ diffusers = pytest.importorskip("diffusers")
 
 import bitfuse  # noqa: E402
 from bitfuse import policy, sites  # noqa: E402
+from bitfuse.ops._pointwise import value  # noqa: E402
 from bitfuse.models import UnsupportedModelError  # noqa: E402
 from bitfuse.models import ltx2  # noqa: E402
 from bitfuse.models.ltx2_configs import build_model, make_inputs, tiny_config  # noqa: E402
@@ -55,10 +56,8 @@ def _assert_equal(out, ref):
 
 def _is_stock(model) -> bool:
     processors = [m.processor for m in model.modules() if hasattr(m, "processor")]
-    return (
-        "forward" not in model.__dict__
-        and all("forward" not in b.__dict__ for b in model.transformer_blocks)
-        and all(type(p).__module__.startswith("diffusers.") for p in processors)
+    return all("forward" not in m.__dict__ for m in model.modules()) and all(
+        type(p).__module__.startswith("diffusers.") for p in processors
     )
 
 
@@ -294,6 +293,49 @@ def test_every_rope_goes_through_the_rotary_site(monkeypatch, variant, options, 
     _assert_equal(out, ref)
 
 
+@pytest.mark.parametrize("variant", ["2.0", "2.3"])
+def test_block_parameters_reach_the_sites_folded(monkeypatch, variant):
+    """Every block-level scale/shift/gate reaches its site as Folded(table row, temb view):
+    diffusers' [B, T, n, D] sum `table + temb` is never materialised."""
+    model = _model(variant)
+    kw = make_inputs(model, batch=2, per_token=True)
+    ref = _run(model, kw)
+    kinds = []
+
+    def recording(real, params):
+        def site(*args, **kwargs):
+            if kwargs.get("site") is not model and (not args or args[0] is not model):
+                kinds.extend(type(args[i]).__name__ for i in params)
+            return real(*args, **kwargs)
+        return site
+
+    monkeypatch.setattr(sites, "modulate_site", recording(sites.modulate_site, (1, 2)))
+    monkeypatch.setattr(sites, "gated_residual_site", recording(sites.gated_residual_site, (2,)))
+    monkeypatch.setattr(sites, "rms_norm_modulate_site", recording(sites.rms_norm_modulate_site, (3, 4)))
+    with bitfuse.accelerate(model):
+        out = _run(model, kw)
+    _assert_equal(out, ref)
+    assert kinds and set(kinds) == {"Folded"}
+
+
+def test_attention_forward_filters_kwargs_as_diffusers_does(monkeypatch):
+    """The copied LTX2Attention.forward caches the processor's parameters: unexpected
+    kwargs are still dropped with diffusers' warning, per processor class."""
+    model = _model("2.3")
+    attn = model.transformer_blocks[0].attn1
+    x = torch.randn(1, 5, attn.query_dim)
+    warned = []
+    monkeypatch.setattr(ltx2._ltx2_module.logger, "warning", lambda msg: warned.append(msg))
+    with torch.no_grad():
+        ref = attn(x, bogus=1)
+        with bitfuse.accelerate(model):
+            assert "forward" in attn.__dict__
+            for _ in range(2):
+                assert torch.equal(attn(x, bogus=1), ref)
+            assert torch.equal(attn(x, perturbation_mask=torch.zeros(1, 1, 1)), attn(x, all_perturbed=True))
+    assert len(warned) == 3 and all("['bogus'] are not expected" in w for w in warned)
+
+
 def test_other_processors_are_left_alone():
     model = _model("2.0")
     kw = make_inputs(model, batch=1)
@@ -319,7 +361,7 @@ def test_sites_change_the_output_when_they_change():
     real = sites.gated_residual_site
     with bitfuse.accelerate(model):
         try:
-            sites.gated_residual_site = lambda x, y, gate, *, site=None: real(x, y, gate * 1.5, site=site)
+            sites.gated_residual_site = lambda x, y, gate, *, site=None: real(x, y, value(gate) * 1.5, site=site)
             out = _run(model, kw)
         finally:
             sites.gated_residual_site = real

@@ -372,3 +372,26 @@ def test_norm_alone_is_the_fused_kernels_n(kind):
     torch.testing.assert_close(n, RMS.rms_norm_reference(x, EPS, kind), rtol=2e-5, atol=2e-5)
     with pytest.raises(ValueError, match="exact kernel"):
         RMS.launch_rms_norm_modulate(plan, False)
+
+
+@interpreter
+@pytest.mark.parametrize("kind", ["diffusers", "aten"])
+@pytest.mark.parametrize("T", [1, 5])
+def test_folded_parameters_in_both_kernels(kind, T):
+    """Folded (table row, temb) scale/shift give the bits the materialised sum gives,
+    in the exact kernel's second-pass variants and in the one-pass kernel."""
+    from bitfuse.ops._pointwise import Folded
+
+    g = torch.Generator().manual_seed(T)
+    B, S, D = 2, 5, 256
+    x = torch.randn(B, S, D, generator=g)
+    table = torch.randn(6, D, generator=g)
+    t4 = torch.randn(B, T, 6 * D, generator=g).reshape(B, T, 6, D)
+    scale, shift = Folded(table[1], t4[:, :, 1]), Folded(table[0], t4[:, :, 0])
+    for exact in (True, False):
+        plan = RMS._plan(x, scale, shift, EPS, kind, exact, cpu_ok=True)
+        assert not isinstance(plan, str) and "+table" in plan.key[2], plan
+        eager = RMS._plan(x, scale.value(), shift.value(), EPS, kind, exact, cpu_ok=True)
+        for config in ((None, (2, 2, 1), (1, 4, 0)) if exact else (None,)):
+            assert torch.equal(RMS.launch_rms_norm_modulate(plan, exact, config=config),
+                               RMS.launch_rms_norm_modulate(eager, exact, config=config))

@@ -10,11 +10,14 @@ and residual expressions replaced by site calls:
     norm(x), modulated twice (a2v, v2a)  -> sites.rms_norm_site(norm, x, site=block)
     x * (1 + scale) + shift              -> sites.modulate_site(x, scale, shift, site=block)
     x + y * gate                         -> sites.gated_residual_site(x, y, gate, site=block)
+    get_mod_params(table, temb, B)       -> _mod_params: sites.Folded(table[i], temb view), added in the kernels
     x + gate * y                         -> the same (fp multiplication commutes: bitwise equal)
     y = y * gate; x = x + y              -> the same (one expression, the same two roundings)
     norm_out(x) * (1 + scale) + shift    -> sites.layer_norm_modulate_site(model, norm_out, x, scale, shift)
 
-The stock attention processors (`LTX2AudioVideoAttnProcessor`,
+`LTX2Attention.forward` is copied too, to cache the processor's signature
+(diffusers inspects it on every call). The stock attention processors
+(`LTX2AudioVideoAttnProcessor`,
 `LTX2PerturbedAttnProcessor`) get the same treatment for RoPE: their
 instances switch `__class__` to copies whose query/key rotation goes through
 `sites.rotary_site`, keeping the instance's backend settings; a processor of
@@ -56,6 +59,7 @@ import diffusers  # noqa: E402  (this module is only imported for diffusers mode
 from diffusers.models.transformers import transformer_ltx2 as _ltx2_module  # noqa: E402
 from diffusers.models.transformers.transformer_ltx2 import (  # noqa: E402
     AudioVisualModelOutput,
+    LTX2Attention,
     LTX2AudioVideoAttnProcessor,
     LTX2PerturbedAttnProcessor,
     LTX2AudioVideoRotaryPosEmbed,
@@ -90,6 +94,7 @@ VERIFIED_SOURCES = {
     "LTX2AudioVideoRotaryPosEmbed.prepare_video_coords": (
         "b6ef8d04012f7062f849a059eb14c295c64e789042de387713cf97ed219179ee"
     ),
+    "LTX2Attention.forward": "defe2a9bb6a171cfb695580e9de0de61f55eeaa0dea2d8570779f6d5b9a5b992",
     "LTX2AudioVideoAttnProcessor.__call__": "0391667b7f0a45ae803d1e8574e2545e6dd29f16dfd2309289a340c12548ccc8",
     "LTX2PerturbedAttnProcessor.__call__": "ab3b88fd4d26207272132699a1636744bde6692fd57b141f4b0444157131f6e0",
     # reproduced by bitfuse.ops.rotary (kernel and reference)
@@ -112,6 +117,7 @@ def _stock_functions() -> dict:
         "LTX2VideoTransformerBlock.get_mod_params": LTX2VideoTransformerBlock.get_mod_params,
         "LTX2VideoTransformer3DModel.forward": inspect.unwrap(LTX2VideoTransformer3DModel.forward),
         "LTX2AudioVideoRotaryPosEmbed.prepare_video_coords": LTX2AudioVideoRotaryPosEmbed.prepare_video_coords,
+        "LTX2Attention.forward": LTX2Attention.forward,
         "LTX2AudioVideoAttnProcessor.__call__": LTX2AudioVideoAttnProcessor.__call__,
         "LTX2PerturbedAttnProcessor.__call__": LTX2PerturbedAttnProcessor.__call__,
         "apply_interleaved_rotary_emb": _ltx2_module.apply_interleaved_rotary_emb,
@@ -165,6 +171,21 @@ def check_supported(force: bool = False) -> list[str]:
 # ---------------------------------------------------------------- faithful forwards
 
 
+def _mod_params(block, scale_shift_table, temb, batch_size):
+    """diffusers' `get_mod_params`: the unbind views of
+    `scale_shift_table[None, None] + temb.reshape(B, T, n, D)`, here as `sites.Folded`
+    (table row, temb view) pairs: the consuming kernels add them with eager's
+    rounding, so the [B, T, n, D] sum is never written (with per-token timesteps,
+    n x the size of the video activations)."""
+    if type(block).get_mod_params is not LTX2VideoTransformerBlock.get_mod_params:
+        return block.get_mod_params(scale_shift_table, temb, batch_size)  # overridden: theirs
+    num_ada_params = scale_shift_table.shape[0]
+    table = scale_shift_table.to(temb.device)
+    temb = temb.reshape(batch_size, temb.shape[1], num_ada_params, -1)
+    return tuple(sites.Folded(table[i], temb[:, :, i]) for i in range(num_ada_params))
+
+
+
 def _block_forward(
     self,
     hidden_states: torch.Tensor,
@@ -199,7 +220,7 @@ def _block_forward(
 
     # 1. Video and Audio Self-Attention
     # 1.1. Video Self-Attention
-    video_ada_params = self.get_mod_params(self.scale_shift_table, temb, batch_size)
+    video_ada_params = _mod_params(self, self.scale_shift_table, temb, batch_size)
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = video_ada_params[:6]
     if self.video_cross_attn_adaln:
         shift_text_q, scale_text_q, gate_text_q = video_ada_params[6:9]
@@ -222,7 +243,7 @@ def _block_forward(
     hidden_states = sites.gated_residual_site(hidden_states, attn_hidden_states, gate_msa, site=self)
 
     # 1.2. Audio Self-Attention
-    audio_ada_params = self.get_mod_params(self.audio_scale_shift_table, temb_audio, batch_size)
+    audio_ada_params = _mod_params(self, self.audio_scale_shift_table, temb_audio, batch_size)
     audio_shift_msa, audio_scale_msa, audio_gate_msa, audio_shift_mlp, audio_scale_mlp, audio_gate_mlp = (
         audio_ada_params[:6]
     )
@@ -256,7 +277,7 @@ def _block_forward(
         # cross-attention): the prompt-side scale/shift is then timestep-independent, so only the static
         # per-layer table is used.
         if temb_prompt is not None:
-            shift_text_kv, scale_text_kv = self.get_mod_params(self.prompt_scale_shift_table, temb_prompt, batch_size)
+            shift_text_kv, scale_text_kv = _mod_params(self, self.prompt_scale_shift_table, temb_prompt, batch_size)
         else:
             shift_text_kv, scale_text_kv = (
                 self.prompt_scale_shift_table[None, None]
@@ -265,7 +286,7 @@ def _block_forward(
             )
 
         if temb_prompt_audio is not None:
-            audio_shift_text_kv, audio_scale_text_kv = self.get_mod_params(
+            audio_shift_text_kv, audio_scale_text_kv = _mod_params(self, 
                 self.audio_prompt_scale_shift_table, temb_prompt_audio, batch_size
             )
         else:
@@ -337,8 +358,8 @@ def _block_forward(
         video_per_layer_ca_scale_shift = self.video_a2v_cross_attn_scale_shift_table[:4, :]
         video_per_layer_ca_gate = self.video_a2v_cross_attn_scale_shift_table[4:, :]
 
-        video_ca_ada_params = self.get_mod_params(video_per_layer_ca_scale_shift, temb_ca_scale_shift, batch_size)
-        video_ca_gate_param = self.get_mod_params(video_per_layer_ca_gate, temb_ca_gate, batch_size)
+        video_ca_ada_params = _mod_params(self, video_per_layer_ca_scale_shift, temb_ca_scale_shift, batch_size)
+        video_ca_gate_param = _mod_params(self, video_per_layer_ca_gate, temb_ca_gate, batch_size)
 
         video_a2v_ca_scale, video_a2v_ca_shift, video_v2a_ca_scale, video_v2a_ca_shift = video_ca_ada_params
         a2v_gate = video_ca_gate_param[0].squeeze(2)
@@ -347,8 +368,8 @@ def _block_forward(
         audio_per_layer_ca_scale_shift = self.audio_a2v_cross_attn_scale_shift_table[:4, :]
         audio_per_layer_ca_gate = self.audio_a2v_cross_attn_scale_shift_table[4:, :]
 
-        audio_ca_ada_params = self.get_mod_params(audio_per_layer_ca_scale_shift, temb_ca_audio_scale_shift, batch_size)
-        audio_ca_gate_param = self.get_mod_params(audio_per_layer_ca_gate, temb_ca_audio_gate, batch_size)
+        audio_ca_ada_params = _mod_params(self, audio_per_layer_ca_scale_shift, temb_ca_audio_scale_shift, batch_size)
+        audio_ca_gate_param = _mod_params(self, audio_per_layer_ca_gate, temb_ca_audio_gate, batch_size)
 
         audio_a2v_ca_scale, audio_a2v_ca_shift, audio_v2a_ca_scale, audio_v2a_ca_shift = audio_ca_ada_params
         v2a_gate = audio_ca_gate_param[0].squeeze(2)
@@ -873,6 +894,40 @@ class _PerturbedAttnProcessor(LTX2PerturbedAttnProcessor):
         return hidden_states
 
 
+_call_parameters: dict = {}  # processor class -> the parameter names of its __call__
+
+
+def _attention_forward(
+    self,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    query_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    key_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    **kwargs,
+) -> torch.Tensor:
+    """diffusers 0.42.1 `LTX2Attention.forward`, with the processor's parameter names
+    cached per processor class: diffusers runs `inspect.signature` on every call, tens
+    of microseconds of host time each (the same names, the same filtering and warning)."""
+    processor = self.processor
+    cls = type(processor)
+    attn_parameters = _call_parameters.get(cls) if "__call__" not in getattr(processor, "__dict__", {}) else None
+    if attn_parameters is None:
+        attn_parameters = set(inspect.signature(processor.__call__).parameters.keys())
+        if isinstance(processor, (LTX2AudioVideoAttnProcessor, LTX2PerturbedAttnProcessor)):
+            _call_parameters[cls] = attn_parameters  # classes whose __call__ is a plain method
+    unused_kwargs = [k for k, _ in kwargs.items() if k not in attn_parameters]
+    if len(unused_kwargs) > 0:
+        _ltx2_module.logger.warning(
+            f"attention_kwargs {unused_kwargs} are not expected by {processor.__class__.__name__} and will be ignored."
+        )
+    kwargs = {k: w for k, w in kwargs.items() if k in attn_parameters}
+    hidden_states = processor(
+        self, hidden_states, encoder_hidden_states, attention_mask, query_rotary_emb, key_rotary_emb, **kwargs
+    )
+    return hidden_states
+
+
 #: stock processor class -> ours; a processor of any other class (a user's) is left alone
 _PROCESSORS = {LTX2AudioVideoAttnProcessor: _AttnProcessor, LTX2PerturbedAttnProcessor: _PerturbedAttnProcessor}
 
@@ -1054,6 +1109,9 @@ def accelerate(model, *, quality: str = "lossless", force: bool = False) -> LTX2
                 sites.mark_site(block, f"transformer_blocks.{i}", norms=_fused_norms(block))
                 handle._marked.append(block)
             handle._installs.append(_Install(model, LTX2VideoTransformer3DModel.forward, _model_forward))
+            for module in model.modules():
+                if type(module).forward is LTX2Attention.forward:
+                    handle._installs.append(_Install(module, LTX2Attention.forward, _attention_forward))
             swapped = set()
             for module in model.modules():
                 processor = getattr(module, "processor", None)

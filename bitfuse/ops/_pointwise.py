@@ -74,6 +74,60 @@ def broadcast_strides(p: torch.Tensor, x_shape: torch.Size) -> tuple[int, int, i
     return out[0], out[1], out[2]
 
 
+class Folded:
+    """An adaLN parameter `table_row + temb` that eager would materialise first.
+
+    diffusers' `get_mod_params` adds a [n, D] scale/shift table to the timestep
+    embedding reshaped to [B, T, n, D] (one eager op, one rounding) and unbinds
+    the sum. Passed as the two operands instead, a kernel adds them on the fly
+    with the same rounding, and the [B, T, n, D] tensor is never written.
+    `value()` is eager's tensor (elementwise, so the same bits as the unbind view).
+    """
+
+    __slots__ = ("table", "temb")
+
+    def __init__(self, table: torch.Tensor, temb: torch.Tensor):
+        self.table = table  # [D]: one row of the table
+        self.temb = temb  # [B, T, D]: a view of the timestep embedding
+
+    def value(self) -> torch.Tensor:
+        return self.table + self.temb
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.broadcast_shapes(self.table.shape, self.temb.shape)
+
+    def squeeze(self, dim: int):
+        """`value().squeeze(dim)`, kept folded when `dim` is not of size 1 (a no-op)."""
+        return self if self.shape[dim] != 1 else self.value().squeeze(dim)
+
+    def __repr__(self) -> str:
+        return f"Folded(table {tuple(self.table.shape)} + temb {tuple(self.temb.shape)})"
+
+
+def value(p):
+    """A parameter's eager tensor (Folded or not)."""
+    return p.value() if p.__class__ is Folded else p
+
+
+def table_of(p, x: torch.Tensor):
+    """(tensor read with x's broadcast, table row or None, why-not or None) for one
+    parameter: a Folded one folds when its table row is a [D] row of x's dtype and
+    device (anything else, e.g. a promoting dtype, is materialised by the caller)."""
+    if p.__class__ is not Folded:
+        return p, None, None
+    t = p.table
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.shape[0] != x.shape[-1]:
+        return None, None, "table row is not [D]"
+    if t.dtype is not x.dtype or p.temb.dtype is not x.dtype:
+        return None, None, "table/temb dtype differs from x's (eager promotes)"
+    if t.get_device() != x.get_device():
+        return None, None, "table on another device"
+    if t.requires_grad and torch.is_grad_enabled():
+        return None, None, "autograd needs the eager graph"
+    return p.temb, t, None
+
+
 def layout_class(strides: tuple[int, int, int], p: torch.Tensor) -> str:
     """Name the parameter layout for gate signatures: what varies across rows, and
     whether the view is dense. e.g. 'per-sample', 'per-token/strided'."""

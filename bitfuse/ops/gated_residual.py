@@ -15,6 +15,7 @@ import torch
 from ._pointwise import (
     HAS_TRITON,
     FastLaunch,
+    Folded,
     Rows,
     broadcast_strides,
     cdiv,
@@ -24,20 +25,25 @@ from ._pointwise import (
     layout_class,
     needs_int64,
     rows_of,
+    table_of,
     tl,
+    value,
 )
+from .modulate import _param
 
 # ---------------------------------------------------------------- kernel
 
 
 @jit
 def _gated_residual_kernel(
-    x_ptr, y_ptr, gate_ptr, out_ptr,
+    x_ptr, y_ptr, gate_ptr, out_ptr, gate_table_ptr,
     S, D,
     x_sb, x_ss, x_sd,
     y_sb, y_ss, y_sd,
     g_sb, g_ss, g_sd,
+    gt_sd,
     GATE_PER_ROW: tl.constexpr,
+    GATE_TABLE: tl.constexpr,
     EVEN: tl.constexpr,
     INT64: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -60,23 +66,23 @@ def _gated_residual_kernel(
 
     x_off = (b * x_sb + s * x_ss)[:, None] + (cols * x_sd)[None, :]
     y_off = (b * y_sb + s * y_ss)[:, None] + (cols * y_sd)[None, :]
+    dtype = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + x_off, mask=mask).to(tl.float32)
     y = tl.load(y_ptr + y_off, mask=mask).to(tl.float32)
     if GATE_PER_ROW:
         g_off = (b * g_sb + s * g_ss)[:, None] + (cols * g_sd)[None, :]
-        gate = tl.load(gate_ptr + g_off, mask=mask).to(tl.float32)
+        gate = _param(gate_ptr, g_off, mask, gate_table_ptr, cols * gt_sd, col_ok, GATE_TABLE, dtype)
     else:  # loaded once per program and kept in L2
-        gate = tl.load(gate_ptr + b * g_sb + cols * g_sd, mask=col_ok, eviction_policy="evict_last")
-        gate = gate.to(tl.float32)[None, :]
+        gate = _param(gate_ptr, b * g_sb + cols * g_sd, col_ok, gate_table_ptr, cols * gt_sd, col_ok,
+                      GATE_TABLE, dtype, "evict_last")[None, :]
 
-    dtype = out_ptr.dtype.element_ty
     m = (y * gate).to(dtype).to(tl.float32)  # eager: y * gate
     out = x + m  # eager: x + m
     o_off = ((b * S + s) * D)[:, None] + cols[None, :]
     tl.store(out_ptr + o_off, out.to(dtype), mask=mask)
 
 
-_launch = FastLaunch(_gated_residual_kernel, ("GATE_PER_ROW", "EVEN", "INT64", "BLOCK_R", "BLOCK_D"))
+_launch = FastLaunch(_gated_residual_kernel, ("GATE_PER_ROW", "GATE_TABLE", "EVEN", "INT64", "BLOCK_R", "BLOCK_D"))
 
 
 # ---------------------------------------------------------------- launcher
@@ -93,31 +99,39 @@ class GatedResidualPlan(NamedTuple):
     g_strides: tuple
     key: tuple
     wide: bool  # offsets may pass 2**31: index in int64
+    gate_table: torch.Tensor | None = None  # Folded gate: the table row added on the fly
 
 
 _geometry: dict = {}  # (shapes, strides, dtype, device) -> the guard's work, done once per layout
 
 
 def plan_gated_residual(x, y, gate) -> GatedResidualPlan | str:
-    """The guard: a plan for the kernel, or the reason the call takes the reference."""
+    """The guard: a plan for the kernel, or the reason the call takes the reference.
+    `gate` may be Folded (table row + temb, added with eager's rounding)."""
     if not HAS_TRITON:
         return "triton is not installed"
+    table = None
+    if gate.__class__ is Folded:
+        gate, table, why = table_of(gate, x)
+        if why:
+            return why
     why = common_device_dtype(x, y, gate)
     if why:
         return why
-    cache_key = (x.shape, x.stride(), y.shape, y.stride(), gate.shape, gate.stride(), x.dtype, x.get_device())
+    cache_key = (x.shape, x.stride(), y.shape, y.stride(), gate.shape, gate.stride(), x.dtype, x.get_device(),
+                 table is None)
     geometry = _geometry.get(cache_key)
     if geometry is None:
-        geometry = _geometry_of(x, y, gate)
+        geometry = _geometry_of(x, y, gate, table is not None)
         if len(_geometry) >= 4096:
             _geometry.clear()
         _geometry[cache_key] = geometry
     if geometry.__class__ is str:
         return geometry
-    return GatedResidualPlan(x, y, gate, *geometry)
+    return GatedResidualPlan(x, y, gate, *geometry, table)
 
 
-def _geometry_of(x, y, gate):
+def _geometry_of(x, y, gate, folded=False):
     rows = rows_of(x)
     if rows is None:
         return f"x must be 2-D or 3-D, got {x.dim()}-D"
@@ -132,7 +146,7 @@ def _geometry_of(x, y, gate):
     wide = r.B * r.S * r.D >= 2**31 or needs_int64(
         (r.B, r.sb), (r.S, r.ss), (r.D, r.sd), (r.B, yr.sb), (r.S, yr.ss), (r.D, yr.sd), (r.B, g[0]), (r.S, g[1]), (r.D, g[2])
     )
-    return rows, yr, g, (x.dtype, x.get_device(), layout_class(g, gate)), wide
+    return rows, yr, g, (x.dtype, x.get_device(), layout_class(g, gate) + ("+table" if folded else "")), wide
 
 
 def launch_gated_residual(plan: GatedResidualPlan, config=None, out=None) -> torch.Tensor:
@@ -142,11 +156,12 @@ def launch_gated_residual(plan: GatedResidualPlan, config=None, out=None) -> tor
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     block_r, block_d, num_warps = config or launch_shape(r.D, r.S, x.element_size())
+    gt = plan.gate_table
     _launch(
         (cdiv(r.S, block_r), cdiv(r.D, block_d), r.B),
-        (x, plan.y, plan.gate, out),
-        (r.S, r.D, r.sb, r.ss, r.sd, yr.sb, yr.ss, yr.sd, *g),
-        (g[1] != 0, r.S % block_r == 0 and r.D % block_d == 0, plan.wide, block_r, block_d),
+        (x, plan.y, plan.gate, out, plan.gate if gt is None else gt),
+        (r.S, r.D, r.sb, r.ss, r.sd, yr.sb, yr.ss, yr.sd, *g, 0 if gt is None else gt.stride(0)),
+        (g[1] != 0, gt is not None, r.S % block_r == 0 and r.D % block_d == 0, plan.wide, block_r, block_d),
         num_warps,
     )
     return out
@@ -178,5 +193,5 @@ def _(x, y, gate):
 
 
 def gated_residual_reference(x, y, gate) -> torch.Tensor:
-    """The eager expression, as models write it."""
-    return x + y * gate
+    """The eager expression, as models write it (a Folded gate materialised first)."""
+    return x + y * value(gate)

@@ -20,6 +20,7 @@ import torch
 from ._pointwise import (
     HAS_TRITON,
     FastLaunch,
+    Folded,
     Rows,
     broadcast_strides,
     cdiv,
@@ -29,21 +30,39 @@ from ._pointwise import (
     layout_class,
     needs_int64,
     rows_of,
+    table_of,
     tl,
+    value,
 )
 
 # ---------------------------------------------------------------- kernel
 
 
 @jit
+def _param(ptr, off, mask, table_ptr, t_off, t_mask, TABLE: tl.constexpr, dtype: tl.constexpr,
+           evict: tl.constexpr = ""):
+    """A parameter in fp32; with TABLE, `temb + table_row` first, rounded to the
+    storage dtype as eager's add in diffusers' get_mod_params rounds it. The row
+    (1-D, along the columns) broadcasts against a 2-D tile of rows."""
+    p = tl.load(ptr + off, mask=mask, eviction_policy=evict)
+    if TABLE:
+        row = tl.load(table_ptr + t_off, mask=t_mask, eviction_policy="evict_last")
+        p = (p.to(tl.float32) + row.to(tl.float32)).to(dtype)
+    return p.to(tl.float32)
+
+
+@jit
 def _modulate_kernel(
-    x_ptr, scale_ptr, shift_ptr, out_ptr,
+    x_ptr, scale_ptr, shift_ptr, out_ptr, scale_table_ptr, shift_table_ptr,
     S, D,
     x_sb, x_ss, x_sd,
     c_sb, c_ss, c_sd,
     h_sb, h_ss, h_sd,
+    ct_sd, ht_sd,
     SCALE_PER_ROW: tl.constexpr,
     SHIFT_PER_ROW: tl.constexpr,
+    SCALE_TABLE: tl.constexpr,
+    SHIFT_TABLE: tl.constexpr,
     EVEN: tl.constexpr,
     INT64: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -64,23 +83,23 @@ def _modulate_kernel(
         col_ok = cols < D
         mask = (s < S)[:, None] & col_ok[None, :]
 
+    dtype = out_ptr.dtype.element_ty
     x_off = (b * x_sb + s * x_ss)[:, None] + (cols * x_sd)[None, :]
     x = tl.load(x_ptr + x_off, mask=mask).to(tl.float32)
     # a parameter that doesn't vary along S is loaded once per program and kept in L2
     if SCALE_PER_ROW:
         c_off = (b * c_sb + s * c_ss)[:, None] + (cols * c_sd)[None, :]
-        scale = tl.load(scale_ptr + c_off, mask=mask).to(tl.float32)
+        scale = _param(scale_ptr, c_off, mask, scale_table_ptr, cols * ct_sd, col_ok, SCALE_TABLE, dtype)
     else:
-        scale = tl.load(scale_ptr + b * c_sb + cols * c_sd, mask=col_ok, eviction_policy="evict_last")
-        scale = scale.to(tl.float32)[None, :]
+        scale = _param(scale_ptr, b * c_sb + cols * c_sd, col_ok, scale_table_ptr, cols * ct_sd, col_ok,
+                       SCALE_TABLE, dtype, "evict_last")[None, :]
     if SHIFT_PER_ROW:
         h_off = (b * h_sb + s * h_ss)[:, None] + (cols * h_sd)[None, :]
-        shift = tl.load(shift_ptr + h_off, mask=mask).to(tl.float32)
+        shift = _param(shift_ptr, h_off, mask, shift_table_ptr, cols * ht_sd, col_ok, SHIFT_TABLE, dtype)
     else:
-        shift = tl.load(shift_ptr + b * h_sb + cols * h_sd, mask=col_ok, eviction_policy="evict_last")
-        shift = shift.to(tl.float32)[None, :]
+        shift = _param(shift_ptr, b * h_sb + cols * h_sd, col_ok, shift_table_ptr, cols * ht_sd, col_ok,
+                       SHIFT_TABLE, dtype, "evict_last")[None, :]
 
-    dtype = out_ptr.dtype.element_ty
     t = (1.0 + scale).to(dtype).to(tl.float32)  # eager: 1 + scale
     p = (x * t).to(dtype).to(tl.float32)  # eager: x * t
     y = p + shift  # eager: p + shift
@@ -88,7 +107,8 @@ def _modulate_kernel(
     tl.store(out_ptr + o_off, y.to(dtype), mask=mask)
 
 
-_launch = FastLaunch(_modulate_kernel, ("SCALE_PER_ROW", "SHIFT_PER_ROW", "EVEN", "INT64", "BLOCK_R", "BLOCK_D"))
+_launch = FastLaunch(_modulate_kernel, ("SCALE_PER_ROW", "SHIFT_PER_ROW", "SCALE_TABLE", "SHIFT_TABLE", "EVEN", "INT64",
+                                        "BLOCK_R", "BLOCK_D"))
 
 
 # ---------------------------------------------------------------- launcher
@@ -98,13 +118,15 @@ class ModulatePlan(NamedTuple):
     """A call that passed the guard: operands, geometry, launch constants, gate key."""
 
     x: torch.Tensor
-    scale: torch.Tensor
+    scale: torch.Tensor  # for a Folded parameter: its temb view
     shift: torch.Tensor
     rows: Rows
     c_strides: tuple
     h_strides: tuple
     key: tuple
     wide: bool  # offsets may pass 2**31: index in int64
+    scale_table: torch.Tensor | None = None  # Folded: the table row added on the fly
+    shift_table: torch.Tensor | None = None
 
 
 _geometry: dict = {}  # (shapes, strides, dtype, device) -> the guard's work, done once per layout
@@ -114,23 +136,31 @@ def plan_modulate(x, scale, shift) -> ModulatePlan | str:
     """The guard: a plan for the kernel, or the reason the call takes the reference."""
     if not HAS_TRITON:
         return "triton is not installed"
+    scale_table = shift_table = None
+    if scale.__class__ is Folded or shift.__class__ is Folded:
+        scale, scale_table, why = table_of(scale, x)
+        if why:
+            return why
+        shift, shift_table, why = table_of(shift, x)
+        if why:
+            return why
     why = common_device_dtype(x, scale, shift)
     if why:
         return why
     cache_key = (x.shape, x.stride(), scale.shape, scale.stride(), shift.shape, shift.stride(),
-                 x.dtype, x.get_device())
+                 x.dtype, x.get_device(), scale_table is None, shift_table is None)
     geometry = _geometry.get(cache_key)
     if geometry is None:
-        geometry = _geometry_of(x, scale, shift)
+        geometry = _geometry_of(x, scale, shift, scale_table is not None, shift_table is not None)
         if len(_geometry) >= 4096:
             _geometry.clear()
         _geometry[cache_key] = geometry
     if geometry.__class__ is str:
         return geometry
-    return ModulatePlan(x, scale, shift, *geometry)
+    return ModulatePlan(x, scale, shift, *geometry, scale_table, shift_table)
 
 
-def _geometry_of(x, scale, shift):
+def _geometry_of(x, scale, shift, scale_folded=False, shift_folded=False):
     rows = rows_of(x)
     if rows is None:
         return f"x must be 2-D or 3-D, got {x.dim()}-D"
@@ -144,7 +174,9 @@ def _geometry_of(x, scale, shift):
     wide = r.B * r.S * r.D >= 2**31 or needs_int64(
         (r.B, r.sb), (r.S, r.ss), (r.D, r.sd), (r.B, c[0]), (r.S, c[1]), (r.D, c[2]), (r.B, h[0]), (r.S, h[1]), (r.D, h[2])
     )
-    return rows, c, h, (x.dtype, x.get_device(), layout_class(c, scale), layout_class(h, shift)), wide
+    key = (x.dtype, x.get_device(), layout_class(c, scale) + ("+table" if scale_folded else ""),
+           layout_class(h, shift) + ("+table" if shift_folded else ""))
+    return rows, c, h, key, wide
 
 
 def launch_modulate(plan: ModulatePlan, config=None, out=None) -> torch.Tensor:
@@ -155,18 +187,20 @@ def launch_modulate(plan: ModulatePlan, config=None, out=None) -> torch.Tensor:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     block_r, block_d, num_warps = config or launch_shape(r.D, r.S, x.element_size())
     even = r.S % block_r == 0 and r.D % block_d == 0
+    ct, ht = plan.scale_table, plan.shift_table
     _launch(
         (cdiv(r.S, block_r), cdiv(r.D, block_d), r.B),
-        (x, plan.scale, plan.shift, out),
-        (r.S, r.D, r.sb, r.ss, r.sd, *c, *h),
-        (c[1] != 0, h[1] != 0, even, plan.wide, block_r, block_d),
+        (x, plan.scale, plan.shift, out, plan.scale if ct is None else ct, plan.shift if ht is None else ht),
+        (r.S, r.D, r.sb, r.ss, r.sd, *c, *h, 0 if ct is None else ct.stride(0), 0 if ht is None else ht.stride(0)),
+        (c[1] != 0, h[1] != 0, ct is not None, ht is not None, even, plan.wide, block_r, block_d),
         num_warps,
     )
     return out
 
 
 def modulate(x, scale, shift) -> torch.Tensor:
-    """Guarded, ungated: the kernel where eligible, else the eager reference."""
+    """Guarded, ungated: the kernel where eligible, else the eager reference.
+    `scale`/`shift` may be Folded (table row + temb, added with eager's rounding)."""
     plan = plan_modulate(x, scale, shift)
     if isinstance(plan, str):
         return modulate_reference(x, scale, shift)
@@ -192,5 +226,5 @@ def _(x, scale, shift):
 
 
 def modulate_reference(x, scale, shift) -> torch.Tensor:
-    """The eager expression, as models write it."""
-    return x * (1 + scale) + shift
+    """The eager expression, as models write it (Folded parameters materialised first)."""
+    return x * (1 + value(scale)) + value(shift)

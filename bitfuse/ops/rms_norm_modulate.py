@@ -92,16 +92,18 @@ from ._pointwise import (
     HAS_TRITON,
     INTERPRET,
     FastLaunch,
+    Folded,
     broadcast_strides,
     cdiv,
     common_device_dtype,
     jit,
     layout_class,
     rows_of,
+    table_of,
     tl,
     triton,
 )
-from .modulate import modulate_reference
+from .modulate import _param, modulate_reference
 
 REFERENCES = ("diffusers", "aten")
 
@@ -140,11 +142,12 @@ def _rsqrt(x, ASM: tl.constexpr):
 
 @_row_kernel("n_rows", "S", "write_stats")
 def _rms_norm_modulate_exact_kernel(
-    x_ptr, scale_ptr, shift_ptr, out_ptr, stats_ptr,
+    x_ptr, scale_ptr, shift_ptr, out_ptr, stats_ptr, scale_table_ptr, shift_table_ptr,
     n_rows, S, write_stats,
     x_sb, x_ss,
     c_sb, c_ss, c_sd,
     h_sb, h_ss, h_sd,
+    ct_sd, ht_sd,
     eps, factor, fD,
     D: tl.constexpr,
     REF: tl.constexpr,  # 0: diffusers (MeanOps reduce), 1: aten (_fused_rms_norm)
@@ -156,6 +159,8 @@ def _rms_norm_modulate_exact_kernel(
     RSQRT_ASM: tl.constexpr,
     R: tl.constexpr,
     MODULATE: tl.constexpr = True,  # False: write the norm's output n (scale/shift unread)
+    SCALE_TABLE: tl.constexpr = False,  # Folded parameters: temb + table row, rounded (modulate._param)
+    SHIFT_TABLE: tl.constexpr = False,
 ):
     NV: tl.constexpr = D // 4
     NJ: tl.constexpr = (NV + LANES - 1) // LANES
@@ -240,8 +245,11 @@ def _rms_norm_modulate_exact_kernel(
         n = (xf * r[:, None]).to(dtype)
         if MODULATE:
             n = n.to(tl.float32)
-            scale = tl.load(scale_ptr + (c_row[:, None] + cols[None, :] * c_sd), mask=m2, other=0.0).to(tl.float32)
-            shift = tl.load(shift_ptr + (h_row[:, None] + cols[None, :] * h_sd), mask=m2, other=0.0).to(tl.float32)
+            col_ok = cols < D
+            scale = _param(scale_ptr, c_row[:, None] + cols[None, :] * c_sd, m2, scale_table_ptr, cols * ct_sd,
+                           col_ok, SCALE_TABLE, dtype)
+            shift = _param(shift_ptr, h_row[:, None] + cols[None, :] * h_sd, m2, shift_table_ptr, cols * ht_sd,
+                           col_ok, SHIFT_TABLE, dtype)
             t = (1.0 + scale).to(dtype).to(tl.float32)
             p = (n * t).to(dtype).to(tl.float32)
             tl.store(out_ptr + (o_row[:, None] + cols[None, :]), (p + shift).to(dtype), mask=m2)
@@ -258,8 +266,11 @@ def _rms_norm_modulate_exact_kernel(
             n = (xf * r3).to(dtype)
             if MODULATE:
                 n = n.to(tl.float32)
-                scale = tl.load(scale_ptr + (c_base + col * c_sd), mask=m, other=0.0).to(tl.float32)
-                shift = tl.load(shift_ptr + (h_base + col * h_sd), mask=m, other=0.0).to(tl.float32)
+                zero = c_base * 0  # table offsets broadcast to the [R, LANES, 4] tile
+                scale = _param(scale_ptr, c_base + col * c_sd, m, scale_table_ptr, zero + col * ct_sd, m,
+                               SCALE_TABLE, dtype)
+                shift = _param(shift_ptr, h_base + col * h_sd, m, shift_table_ptr, zero + col * ht_sd, m,
+                               SHIFT_TABLE, dtype)
                 t = (1.0 + scale).to(dtype).to(tl.float32)
                 p = (n * t).to(dtype).to(tl.float32)
                 tl.store(out_ptr + (o_base + col), (p + shift).to(dtype), mask=m)
@@ -269,15 +280,18 @@ def _rms_norm_modulate_exact_kernel(
 
 @_row_kernel("n_rows", "S")
 def _rms_norm_modulate_high_kernel(
-    x_ptr, scale_ptr, shift_ptr, out_ptr,
+    x_ptr, scale_ptr, shift_ptr, out_ptr, scale_table_ptr, shift_table_ptr,
     n_rows, S, D,
     x_sb, x_ss,
     c_sb, c_ss, c_sd,
     h_sb, h_ss, h_sd,
+    ct_sd, ht_sd,
     eps, inv_d,
     ROUNDING: tl.constexpr,
     R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SCALE_TABLE: tl.constexpr = False,
+    SHIFT_TABLE: tl.constexpr = False,
 ):
     rows = tl.program_id(0) * R + tl.arange(0, R)
     r64 = rows.to(tl.int64)
@@ -290,9 +304,13 @@ def _rms_norm_modulate_high_kernel(
         eviction_policy="evict_first",
     ).to(tl.float32)
     r = tl.math.rsqrt(tl.sum(x * x, axis=1) * inv_d + eps)
-    scale = tl.load(scale_ptr + ((b * c_sb + s * c_ss)[:, None] + cols[None, :] * c_sd), mask=m, other=0.0)
-    shift = tl.load(shift_ptr + ((b * h_sb + s * h_ss)[:, None] + cols[None, :] * h_sd), mask=m, other=0.0)
-    y = _modulate_tail(x * r[:, None], scale, shift, out_ptr.dtype.element_ty, ROUNDING)
+    dtype = out_ptr.dtype.element_ty
+    col_ok = cols < D
+    scale = _param(scale_ptr, (b * c_sb + s * c_ss)[:, None] + cols[None, :] * c_sd, m, scale_table_ptr,
+                   cols * ct_sd, col_ok, SCALE_TABLE, dtype)
+    shift = _param(shift_ptr, (b * h_sb + s * h_ss)[:, None] + cols[None, :] * h_sd, m, shift_table_ptr,
+                   cols * ht_sd, col_ok, SHIFT_TABLE, dtype)
+    y = _modulate_tail(x * r[:, None], scale, shift, dtype, ROUNDING)
     tl.store(out_ptr + ((r64 * D)[:, None] + cols[None, :]), y, mask=m)
 
 
@@ -372,7 +390,7 @@ class RMSNormModulatePlan:
     """A call that passed the guard: operands, geometry, reduction order, gate key."""
 
     __slots__ = ("x", "scale", "shift", "rows", "c_strides", "h_strides", "eps", "reference",
-                 "lanes", "factor", "key", "modulate")
+                 "lanes", "factor", "key", "modulate", "scale_table", "shift_table")
 
     def __init__(self, x, scale, shift, rows, c_strides, h_strides, eps, reference, lanes, factor, key,
                  modulate=True):
@@ -381,12 +399,15 @@ class RMSNormModulatePlan:
         self.eps, self.reference = eps, reference
         self.lanes, self.factor, self.key = lanes, factor, key
         self.modulate = modulate  # False: the norm alone (plan_rms_norm)
+        self.scale_table = self.shift_table = None  # Folded parameters: table rows added on the fly
 
 
 def _check_operands(x, scale, shift, *, cpu_ok=False):
     """Shared guard: (rows, c_strides, h_strides) or a reason string."""
     if not HAS_TRITON:
         return "triton is not installed"
+    if scale.__class__ is Folded or shift.__class__ is Folded:
+        return "folded parameters are unpacked by _plan"
     why = common_device_dtype(x, scale, shift)
     if why and not (cpu_ok and why == "CPU tensor"):
         return why
@@ -423,6 +444,14 @@ def plan_rms_norm(x, eps, reference):
 def _plan(x, scale, shift, eps, reference, exact, cpu_ok=False):
     if reference not in REFERENCES:
         return f"unknown RMSNorm reference {reference!r}"
+    scale_table = shift_table = None
+    if scale.__class__ is Folded or shift.__class__ is Folded:
+        scale, scale_table, why = table_of(scale, x)
+        if why:
+            return why
+        shift, shift_table, why = table_of(shift, x)
+        if why:
+            return why
     checked = _check_operands(x, scale, shift, cpu_ok=cpu_ok)
     if isinstance(checked, str):
         return checked
@@ -446,9 +475,12 @@ def _plan(x, scale, shift, eps, reference, exact, cpu_ok=False):
                 return "torch < 2.9 runs F.rms_norm as composite ops"
     elif D > MAX_D:
         return f"D={D} > {MAX_D}: row too wide for the one-pass kernel"
-    key = (x.dtype, x.get_device(), layout_class(c, scale), layout_class(h, shift),
+    key = (x.dtype, x.get_device(), layout_class(c, scale) + ("+table" if scale_table is not None else ""),
+           layout_class(h, shift) + ("+table" if shift_table is not None else ""),
            reference, f"D={D}", f"lanes={lanes}")
-    return RMSNormModulatePlan(x, scale, shift, rows, c, h, float(eps), reference, lanes, factor, key)
+    plan = RMSNormModulatePlan(x, scale, shift, rows, c, h, float(eps), reference, lanes, factor, key)
+    plan.scale_table, plan.shift_table = scale_table, shift_table
+    return plan
 
 
 def exact_launch_shape(plan, elem_bytes: int) -> tuple[int, int]:
@@ -485,6 +517,10 @@ def launch_rms_norm_modulate(plan, exact: bool = True, config=None, out=None, st
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     n_rows = r.B * r.S
     tensors = (x, plan.scale, plan.shift, out)
+    ct, ht = plan.scale_table, plan.shift_table
+    tables = (plan.scale if ct is None else ct, plan.shift if ht is None else ht)
+    table_strides = (0 if ct is None else ct.stride(0), 0 if ht is None else ht.stride(0))
+    folded = dict(SCALE_TABLE=ct is not None, SHIFT_TABLE=ht is not None)
     if exact:
         if config:
             R, num_warps, pass2 = (tuple(config) + (PASS2,))[:3]
@@ -492,22 +528,22 @@ def launch_rms_norm_modulate(plan, exact: bool = True, config=None, out=None, st
             (R, num_warps), pass2 = exact_launch_shape(plan, x.element_size()), PASS2
         lanes = plan.lanes
         _launch_exact(
-            (cdiv(n_rows, R), 1), tensors + (_dummy_stats(x) if stats is None else stats,),
-            (n_rows, r.S, int(stats is not None), r.sb, r.ss, *plan.c_strides, *plan.h_strides,
+            (cdiv(n_rows, R), 1), tensors + (_dummy_stats(x) if stats is None else stats,) + tables,
+            (n_rows, r.S, int(stats is not None), r.sb, r.ss, *plan.c_strides, *plan.h_strides, *table_strides,
              plan.eps, plan.factor, float(r.D)),
             dict(D=r.D, REF=0 if plan.reference == "diffusers" else 1,
                  LANES=lanes, XSTEPS=max(lanes.bit_length() - 1 - 5, 0),
                  WARP_INC=WARP_INC, PASS2=pass2, BLOCK_D=triton.next_power_of_2(r.D),
-                 RSQRT_ASM=RSQRT_ASM and not INTERPRET, R=R, MODULATE=plan.modulate),
+                 RSQRT_ASM=RSQRT_ASM and not INTERPRET, R=R, MODULATE=plan.modulate, **folded),
             dict(num_warps=num_warps, enable_fp_fusion=False),
         )
     else:
         block_d = triton.next_power_of_2(r.D)
         R, num_warps = config or high_launch_shape(block_d, n_rows, x.element_size())
         _launch_high(
-            (cdiv(n_rows, R), 1), tensors,
-            (n_rows, r.S, r.D, r.sb, r.ss, *plan.c_strides, *plan.h_strides, plan.eps, 1.0 / r.D),
-            dict(ROUNDING=HIGH_ROUNDING, R=R, BLOCK_D=block_d),
+            (cdiv(n_rows, R), 1), tensors + tables,
+            (n_rows, r.S, r.D, r.sb, r.ss, *plan.c_strides, *plan.h_strides, *table_strides, plan.eps, 1.0 / r.D),
+            dict(ROUNDING=HIGH_ROUNDING, R=R, BLOCK_D=block_d, **folded),
             dict(num_warps=num_warps),
         )
     return out

@@ -244,3 +244,28 @@ def test_norm_alone_is_lossless(kind, dtype, B, S, D):
     RMS.launch_rms_norm_modulate(plan, True, out=out)
     expect = RMS.rms_norm_reference(x, EPS, kind)
     assert same_values(out, expect), f"{int((out != expect).sum())} of {out.numel()} differ"
+
+
+@pytest.mark.parametrize("T", [1, 1031])
+@pytest.mark.parametrize("kind", KINDS[:2])
+def test_folded_parameters(kind, T):
+    """Folded (table row, temb) scale/shift: exact kernel `torch.equal` to the norm then
+    eager modulate of `table + temb`; the one-pass kernel equal to itself on the sum."""
+    from bitfuse.ops._pointwise import Folded
+
+    B, S, D = 2, 1031, 4096
+    g = torch.Generator(device="cuda").manual_seed(T)
+    x = rows(B, S, D, torch.bfloat16, g)
+    table = torch.randn(6, D, device="cuda", dtype=torch.bfloat16, generator=g) / 64
+    t4 = torch.randn(B, T, 6 * D, device="cuda", dtype=torch.bfloat16, generator=g).reshape(B, T, 6, D)
+    eager = (table[None, None] + t4).unbind(2)
+    scale, shift = Folded(table[1], t4[:, :, 1]), Folded(table[0], t4[:, :, 0])
+    plan = RMS.plan_rms_norm_modulate(x, scale, shift, EPS, kind, exact=True)
+    assert not isinstance(plan, str), plan
+    out = torch.full(x.shape, float("nan"), dtype=x.dtype, device="cuda")
+    RMS.launch_rms_norm_modulate(plan, True, out=out)
+    expect = RMS.rms_norm_modulate_reference(x, eager[1], eager[0], EPS, kind)
+    assert same_values(out, expect), f"{int((out != expect).sum())} differ"
+    high = RMS.plan_rms_norm_modulate(x, scale, shift, EPS, kind, exact=False)
+    high_eager = RMS.plan_rms_norm_modulate(x, eager[1], eager[0], EPS, kind, exact=False)
+    assert torch.equal(RMS.launch_rms_norm_modulate(high, False), RMS.launch_rms_norm_modulate(high_eager, False))

@@ -136,3 +136,32 @@ def test_verify_command_reports_every_path_exact(capsys):
     bad = [p for p in report["paths"] if p["status"] in ("mismatch", "error")]
     assert not bad, bad
     assert all(p["status"] == "verified" for p in report["paths"] if p["op"] in ("modulate", "gated_residual"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,S,D,T", [(1, 6144, 4096, 1), (2, 1031, 2048, 1031), (2, 126, 2240, 1), (1, 1, 64, 1)])
+def test_folded_parameters_exact(dtype, B, S, D, T):
+    """Folded(table row, temb view) as LTX-2's get_mod_params makes them: equal to eager
+    on `(table[None, None] + temb.reshape(B, T, n, D)).unbind(2)`, per-sample and per-token."""
+    from bitfuse.ops._pointwise import Folded
+
+    gen = torch.Generator(device="cuda").manual_seed(B * S + D)
+    x = torch.randn(B, S, D, device="cuda", dtype=dtype, generator=gen) * 3
+    y = torch.randn(B, S, D, device="cuda", dtype=dtype, generator=gen)
+    table = torch.randn(9, D, device="cuda", dtype=dtype, generator=gen) / D**0.5
+    temb = torch.randn(B, T, 9 * D, device="cuda", dtype=dtype, generator=gen)
+    eager = (table[None, None] + temb.reshape(B, T, 9, D)).unbind(2)
+    folded = [Folded(table[i], temb.reshape(B, T, 9, D)[:, :, i]) for i in range(9)]
+    for shift_i, scale_i, gate_i in ((0, 1, 2), (3, 4, 5), (6, 7, 8)):
+        plan = M.plan_modulate(x, folded[scale_i], folded[shift_i])
+        assert not isinstance(plan, str), plan
+        ref = x * (1 + eager[scale_i]) + eager[shift_i]
+        for _ in range(2):
+            assert torch.equal(M.launch_modulate(plan, out=_poisoned(x)), ref)
+        plan = G.plan_gated_residual(x, y, folded[gate_i])
+        assert not isinstance(plan, str), plan
+        for _ in range(2):
+            assert torch.equal(G.launch_gated_residual(plan, out=_poisoned(x)), x + y * eager[gate_i])
+    # through the sites (gated first sight)
+    assert torch.equal(sites.modulate_site(x, folded[1], folded[0]), x * (1 + eager[1]) + eager[0])
+    assert torch.equal(sites.gated_residual_site(x, y, folded[2]), x + y * eager[2])
