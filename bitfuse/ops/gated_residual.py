@@ -71,10 +71,10 @@ def _gated_residual_kernel(
     y = tl.load(y_ptr + y_off, mask=mask).to(tl.float32)
     if GATE_PER_ROW:
         g_off = (b * g_sb + s * g_ss)[:, None] + (cols * g_sd)[None, :]
-        gate = _param(gate_ptr, g_off, mask, gate_table_ptr, cols * gt_sd, col_ok, GATE_TABLE, dtype)
+        gate = _param(gate_ptr, g_off, mask, gate_table_ptr, cols * gt_sd, col_ok, GATE_TABLE, dtype, False)
     else:  # loaded once per program and kept in L2
         gate = _param(gate_ptr, b * g_sb + cols * g_sd, col_ok, gate_table_ptr, cols * gt_sd, col_ok,
-                      GATE_TABLE, dtype, "evict_last")[None, :]
+                      GATE_TABLE, dtype, True)[None, :]
 
     m = (y * gate).to(dtype).to(tl.float32)  # eager: y * gate
     out = x + m  # eager: x + m

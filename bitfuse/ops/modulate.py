@@ -39,12 +39,16 @@ from ._pointwise import (
 
 
 @jit
-def _param(ptr, off, mask, table_ptr, t_off, t_mask, TABLE: tl.constexpr, dtype: tl.constexpr,
-           evict: tl.constexpr = ""):
+def _param(ptr, off, mask, table_ptr, t_off, t_mask, TABLE: tl.constexpr, dtype: tl.constexpr, KEEP: tl.constexpr):
     """A parameter in fp32; with TABLE, `temb + table_row` first, rounded to the
     storage dtype as eager's add in diffusers' get_mod_params rounds it. The row
-    (1-D, along the columns) broadcasts against a 2-D tile of rows."""
-    p = tl.load(ptr + off, mask=mask, eviction_policy=evict)
+    (1-D, along the columns) broadcasts against a 2-D tile of rows. KEEP: a parameter
+    read by every program, kept in L2. (Every argument is passed: Triton 3.6 does not
+    wrap a jit helper's default values as constexprs.)"""
+    if KEEP:
+        p = tl.load(ptr + off, mask=mask, eviction_policy="evict_last")
+    else:
+        p = tl.load(ptr + off, mask=mask)
     if TABLE:
         row = tl.load(table_ptr + t_off, mask=t_mask, eviction_policy="evict_last")
         p = (p.to(tl.float32) + row.to(tl.float32)).to(dtype)
@@ -89,16 +93,16 @@ def _modulate_kernel(
     # a parameter that doesn't vary along S is loaded once per program and kept in L2
     if SCALE_PER_ROW:
         c_off = (b * c_sb + s * c_ss)[:, None] + (cols * c_sd)[None, :]
-        scale = _param(scale_ptr, c_off, mask, scale_table_ptr, cols * ct_sd, col_ok, SCALE_TABLE, dtype)
+        scale = _param(scale_ptr, c_off, mask, scale_table_ptr, cols * ct_sd, col_ok, SCALE_TABLE, dtype, False)
     else:
         scale = _param(scale_ptr, b * c_sb + cols * c_sd, col_ok, scale_table_ptr, cols * ct_sd, col_ok,
-                       SCALE_TABLE, dtype, "evict_last")[None, :]
+                       SCALE_TABLE, dtype, True)[None, :]
     if SHIFT_PER_ROW:
         h_off = (b * h_sb + s * h_ss)[:, None] + (cols * h_sd)[None, :]
-        shift = _param(shift_ptr, h_off, mask, shift_table_ptr, cols * ht_sd, col_ok, SHIFT_TABLE, dtype)
+        shift = _param(shift_ptr, h_off, mask, shift_table_ptr, cols * ht_sd, col_ok, SHIFT_TABLE, dtype, False)
     else:
         shift = _param(shift_ptr, b * h_sb + cols * h_sd, col_ok, shift_table_ptr, cols * ht_sd, col_ok,
-                       SHIFT_TABLE, dtype, "evict_last")[None, :]
+                       SHIFT_TABLE, dtype, True)[None, :]
 
     t = (1.0 + scale).to(dtype).to(tl.float32)  # eager: 1 + scale
     p = (x * t).to(dtype).to(tl.float32)  # eager: x * t

@@ -247,9 +247,9 @@ def _rms_norm_modulate_exact_kernel(
             n = n.to(tl.float32)
             col_ok = cols < D
             scale = _param(scale_ptr, c_row[:, None] + cols[None, :] * c_sd, m2, scale_table_ptr, cols * ct_sd,
-                           col_ok, SCALE_TABLE, dtype)
+                           col_ok, SCALE_TABLE, dtype, False)
             shift = _param(shift_ptr, h_row[:, None] + cols[None, :] * h_sd, m2, shift_table_ptr, cols * ht_sd,
-                           col_ok, SHIFT_TABLE, dtype)
+                           col_ok, SHIFT_TABLE, dtype, False)
             t = (1.0 + scale).to(dtype).to(tl.float32)
             p = (n * t).to(dtype).to(tl.float32)
             tl.store(out_ptr + (o_row[:, None] + cols[None, :]), (p + shift).to(dtype), mask=m2)
@@ -268,9 +268,9 @@ def _rms_norm_modulate_exact_kernel(
                 n = n.to(tl.float32)
                 zero = c_base * 0  # table offsets broadcast to the [R, LANES, 4] tile
                 scale = _param(scale_ptr, c_base + col * c_sd, m, scale_table_ptr, zero + col * ct_sd, m,
-                               SCALE_TABLE, dtype)
+                               SCALE_TABLE, dtype, False)
                 shift = _param(shift_ptr, h_base + col * h_sd, m, shift_table_ptr, zero + col * ht_sd, m,
-                               SHIFT_TABLE, dtype)
+                               SHIFT_TABLE, dtype, False)
                 t = (1.0 + scale).to(dtype).to(tl.float32)
                 p = (n * t).to(dtype).to(tl.float32)
                 tl.store(out_ptr + (o_base + col), (p + shift).to(dtype), mask=m)
@@ -307,9 +307,9 @@ def _rms_norm_modulate_high_kernel(
     dtype = out_ptr.dtype.element_ty
     col_ok = cols < D
     scale = _param(scale_ptr, (b * c_sb + s * c_ss)[:, None] + cols[None, :] * c_sd, m, scale_table_ptr,
-                   cols * ct_sd, col_ok, SCALE_TABLE, dtype)
+                   cols * ct_sd, col_ok, SCALE_TABLE, dtype, False)
     shift = _param(shift_ptr, (b * h_sb + s * h_ss)[:, None] + cols[None, :] * h_sd, m, shift_table_ptr,
-                   cols * ht_sd, col_ok, SHIFT_TABLE, dtype)
+                   cols * ht_sd, col_ok, SHIFT_TABLE, dtype, False)
     y = _modulate_tail(x * r[:, None], scale, shift, dtype, ROUNDING)
     tl.store(out_ptr + ((r64 * D)[:, None] + cols[None, :]), y, mask=m)
 
