@@ -322,8 +322,10 @@ def _plan(x, scale, shift, eps, exact, cpu_ok=False):
 
 def exact_launch_shape(plan, elem_bytes: int) -> tuple[int, int]:
     """(R, num_warps) for the exact kernel: one row of 128 reference threads on 2
-    warps (33.2 us at 6144 x 4096 bf16 on the H200; 4 warps 35.9, 1 warp 39.1)."""
-    return 1, 2
+    warps (33.0 us at 6144 x 4096 bf16 on the H200; 4 warps 35.9, 1 warp 39.1), or
+    4 warps with per-token parameters (49.5 us against 52.1; bench/sweep_configs.py)."""
+    per_token = plan.c_strides[1] != 0 or plan.h_strides[1] != 0
+    return 1, 4 if per_token else 2
 
 
 def launch_layer_norm_modulate(plan, exact: bool = True, config=None, out=None, stats=None) -> torch.Tensor:

@@ -484,13 +484,16 @@ def _plan(x, scale, shift, eps, reference, exact, cpu_ok=False):
 
 
 def exact_launch_shape(plan, elem_bytes: int) -> tuple[int, int]:
-    """(R, num_warps) for the exact kernel: rows per program and warps. Measured on the
-    H200 at 6144 x 4096 bf16 (bench/explore_norm.py): diffusers (2, 2) 31.6 us against
-    43.3 for one row a warp; aten (2, 8) 28.4 us against 29.2 for one row a block."""
+    """(R, num_warps) for the exact kernel: rows per program and warps (the reduction
+    order does not depend on them). Measured on the H200 at 6144 x 4096 bf16
+    (bench/sweep_configs.py, bench/results/sweep-nvidia-h200.json): diffusers (2, 4)
+    29.9 us per-sample against 33.4 for (2, 2), and (4, 8) 49.9 us per-token against
+    60.4 (the second pass then streams two more full tensors); aten (2, 8) 28.4 us."""
     if plan.reference == "aten":
         return 2, 8
     if plan.lanes == 32:
-        return 2, 2
+        per_token = plan.c_strides[1] != 0 or plan.h_strides[1] != 0
+        return (4, 8) if per_token else (2, 4)
     return 1, min(plan.lanes // 32, 8)  # few rows: wide blocks
 
 
