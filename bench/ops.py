@@ -100,10 +100,10 @@ def make_call(op, variant, bufs, norm_refs, compiled_fns):
     """A closure running `variant` of `op` on one input set."""
     x, y, c, h, gate = bufs
     if op == "modulate":
-        args, eager = (x, c, h), modulate_eager
+        args = (x, c, h)
         site = lambda: sites.modulate_site(x, c, h)  # noqa: E731
     elif op == "gated_residual":
-        args, eager = (x, y, gate), gated_eager
+        args = (x, y, gate)
         site = lambda: sites.gated_residual_site(x, y, gate)  # noqa: E731
     else:
         norm_fn, norm_mod = norm_refs[op]

@@ -8,7 +8,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import bitfuse  # noqa: E402
 from bitfuse import policy  # noqa: E402
 
 

@@ -185,7 +185,6 @@ def _mod_params(block, scale_shift_table, temb, batch_size):
     return tuple(sites.Folded(table[i], temb[:, :, i]) for i in range(num_ada_params))
 
 
-
 def _block_forward(
     self,
     hidden_states: torch.Tensor,
@@ -286,8 +285,8 @@ def _block_forward(
             )
 
         if temb_prompt_audio is not None:
-            audio_shift_text_kv, audio_scale_text_kv = _mod_params(self, 
-                self.audio_prompt_scale_shift_table, temb_prompt_audio, batch_size
+            audio_shift_text_kv, audio_scale_text_kv = _mod_params(
+                self, self.audio_prompt_scale_shift_table, temb_prompt_audio, batch_size
             )
         else:
             audio_shift_text_kv, audio_scale_text_kv = (

@@ -276,14 +276,16 @@ def _geometry_of(x, y, cos, sin, rope_type):
     return xs, ys, c, n, B, S, C, R, key, wide
 
 
-def _block(pairs_or_channels: int, limit: int) -> int:
-    """Largest power of two up to `limit` that divides the row, else the next power of two."""
+def _block(n: int, limit: int) -> int:
+    """Elements of a row per program: the largest power of two from `limit` down to
+    512 that divides the row (no masked lanes), else the row's next power of two
+    (one masked block; capped at `limit`)."""
     block = limit
-    while block > 64 and pairs_or_channels % block:
+    while block >= 512:
+        if n % block == 0:
+            return block
         block //= 2
-    if pairs_or_channels % block:
-        block = min(triton.next_power_of_2(pairs_or_channels), limit)
-    return block
+    return min(triton.next_power_of_2(n), limit)
 
 
 def launch_rotary(plan: RotaryPlan, config=None, out=None):
