@@ -278,14 +278,15 @@ def _geometry_of(x, y, cos, sin, rope_type):
 
 def _block(n: int, limit: int) -> int:
     """Elements of a row per program: the largest power of two from `limit` down to
-    512 that divides the row (no masked lanes), else the row's next power of two
-    (one masked block; capped at `limit`)."""
+    64 that divides the row (no masked lanes), else the row's next power of two
+    (one masked block, capped at `limit`). Rows like 2240 thus run as 35 blocks of
+    64: correct, not tuned (LTX-2's rows are powers of two)."""
     block = limit
-    while block >= 512:
-        if n % block == 0:
-            return block
+    while block > 64 and n % block:
         block //= 2
-    return min(triton.next_power_of_2(n), limit)
+    if n % block:
+        block = min(triton.next_power_of_2(n), limit)
+    return block
 
 
 def launch_rotary(plan: RotaryPlan, config=None, out=None):
