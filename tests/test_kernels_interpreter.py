@@ -102,7 +102,9 @@ def test_broadcast_strides_and_layout_classes():
 
 
 def test_launch_shape_and_index_width():
-    assert launch_shape(4096, 6144, 2) == (1, 4096, 4)
+    assert launch_shape(4096, 6144, 2) == (1, 2048, 8)
+    assert launch_shape(3072, 6144, 2) == (1, 1024, 4)
+    assert launch_shape(4096, 6144, 4) == (1, 2048, 8)
     assert launch_shape(5120, 7, 2) == (1, 1024, 4)  # divides D: no masked lanes
     assert launch_shape(2048, 1, 2) == (1, 2048, 8)
     assert launch_shape(2240, 3, 2) == (1, 4096, 4)

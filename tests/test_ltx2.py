@@ -186,6 +186,85 @@ def test_no_host_tensor_copy_inside_the_forward(monkeypatch):
     _assert_equal(out, ref)
 
 
+def test_rope_cache_returns_the_same_bits_and_keys_on_everything():
+    """Coordinates the forward builds itself: their RoPE tables are kept between calls
+    (the same tensor objects), and every input they depend on keys them: shapes,
+    fps, batch, a RoPE setting changed on the module, an in-place write to a kept
+    table. Each call still equals the stock model's output."""
+    model = _model("2.3")
+    kw_a = make_inputs(model, batch=1, seed=1)
+    kw_b = make_inputs(model, batch=2, video_tokens_shape=(3, 2, 4), audio_tokens=5, seed=2)
+    kw_fps = dict(kw_a, fps=25.0)
+    refs = {k: _run(model, kw) for k, kw in (("a", kw_a), ("b", kw_b), ("fps", kw_fps))}
+    with bitfuse.accelerate(model) as handle:
+        cache = handle.rope_cache
+        _assert_equal(_run(model, kw_a), refs["a"])
+        kept = cache.entries["video"][1]
+        _assert_equal(_run(model, kw_a), refs["a"])
+        assert cache.entries["video"][1] is kept  # a hit
+        for name, kw in (("b", kw_b), ("fps", kw_fps), ("a", kw_a)):
+            _assert_equal(_run(model, kw), refs[name])
+        assert cache.entries["video"][1] is not kept  # re-keyed by fps, then shapes
+        kept = cache.entries["video"][1]
+        kept[0][0].add_(1.0)  # a write in place: the next call recomputes
+        _assert_equal(_run(model, kw_a), refs["a"])
+        assert cache.entries["video"][1] is not kept
+        theta = model.rope.theta
+    model.rope.theta = theta / 2  # a changed setting
+    try:
+        ref_theta = _run(model, kw_a)
+        with bitfuse.accelerate(model) as handle:
+            _run(model, kw_a)  # fills the cache with theta / 2
+            _assert_equal(_run(model, kw_a), ref_theta)
+            model.rope.theta = theta
+            _assert_equal(_run(model, kw_a), refs["a"])
+        assert handle.rope_cache.entries == {}  # restore() frees the tables
+    finally:
+        model.rope.theta = theta
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["per-sample", "per-token"])
+def test_timestep_projections_are_shared_between_equal_inputs(monkeypatch, per_token):
+    """The six timestep embeddings of the forward share the sinusoidal projection of
+    equal inputs (and the gates their product): per-sample, one timestep tensor and
+    one product, so 2 projections instead of 6; per-token, video and audio differ
+    (4). A hook on one projection module takes that module out of the sharing."""
+    from diffusers.models.embeddings import Timesteps
+
+    model = _model("2.0")
+    kw = make_inputs(model, batch=2, per_token=per_token, seed=5)
+    ref = _run(model, kw)
+    calls = []
+    real = Timesteps.forward
+    with bitfuse.accelerate(model):
+        monkeypatch.setattr(Timesteps, "forward", lambda self, t: calls.append(self) or real(self, t))
+        _assert_equal(_run(model, kw), ref)
+        assert len(calls) == (4 if per_token else 2)
+        calls.clear()
+        seen = []
+        model.av_cross_attn_video_scale_shift.emb.time_proj.register_forward_hook(lambda *a: seen.append(1))
+        _assert_equal(_run(model, kw), ref)
+        assert seen == [1] and len(calls) == (5 if per_token else 3)
+
+
+def test_rope_cache_skips_passed_coords_hooks_and_compiling(monkeypatch):
+    model = _model("2.0")
+    kw_passed = make_inputs(model, batch=1, pass_coords=True, seed=3)
+    kw = make_inputs(model, batch=1, seed=3)
+    ref_passed, ref = _run(model, kw_passed), _run(model, kw)
+    with bitfuse.accelerate(model) as handle:
+        _assert_equal(_run(model, kw_passed), ref_passed)
+        assert handle.rope_cache.entries == {}  # passed coordinates: never kept
+        hook = model.rope.register_forward_hook(lambda m, a, o: None)
+        _assert_equal(_run(model, kw), ref)
+        assert "video" not in handle.rope_cache.entries and "audio" in handle.rope_cache.entries
+        hook.remove()
+        monkeypatch.setattr(ltx2.policy, "_capturing", lambda: True)
+        handle.rope_cache.clear()
+        _assert_equal(_run(model, kw), ref)
+        assert handle.rope_cache.entries == {}
+
+
 # ---------------------------------------------------------------- every site goes through bitfuse
 
 _SITE_FUNCS = ("rms_norm_modulate_site", "layer_norm_modulate_site", "modulate_site", "gated_residual_site")

@@ -25,7 +25,9 @@ any other class is left alone.
 
 Everything else (attention modules, feed-forwards, the timestep embeddings,
 the RoPE frequencies) is called exactly as diffusers calls it, so attention
-backends, other processors, LoRA scaling and hooks keep working. The
+backends, other processors, LoRA scaling and hooks keep working. RoPE
+frequencies of coordinates the forward builds itself are kept between calls
+(`RopeCache`: a pure function of integers and settings, so the same bits). The
 modulation parameters are the strided `unbind` views diffusers makes; they go
 to the sites as they are (no densifying copy).
 
@@ -51,14 +53,17 @@ import warnings
 from typing import Any
 
 import torch
+import torch.nn.modules.module as _module_hooks
 
 from .. import policy, sites
 from . import UnsupportedModelError
 
 import diffusers  # noqa: E402  (this module is only imported for diffusers models)
 from diffusers.models.transformers import transformer_ltx2 as _ltx2_module  # noqa: E402
+from diffusers.models.embeddings import PixArtAlphaCombinedTimestepSizeEmbeddings, Timesteps  # noqa: E402
 from diffusers.models.transformers.transformer_ltx2 import (  # noqa: E402
     AudioVisualModelOutput,
+    LTX2AdaLayerNormSingle,
     LTX2Attention,
     LTX2AudioVideoAttnProcessor,
     LTX2PerturbedAttnProcessor,
@@ -94,6 +99,17 @@ VERIFIED_SOURCES = {
     "LTX2AudioVideoRotaryPosEmbed.prepare_video_coords": (
         "b6ef8d04012f7062f849a059eb14c295c64e789042de387713cf97ed219179ee"
     ),
+    # copied in _TimestepEmbeddings (the projection it shares: a function of its input)
+    "LTX2AdaLayerNormSingle.forward": "865d9aa1d7f8cd6752c3a5c73c78910d239486881ef5e8e664e1b9b5ab1eb8ba",
+    "PixArtAlphaCombinedTimestepSizeEmbeddings.forward": (
+        "ad9247f8146dbd777b4f687e4655d1cf6e9d895ca539f9fd8b69120cc2c49eec"
+    ),
+    "Timesteps.forward": "7e57cb0d890b841f9b13647482aeb956da7ded07a888beb41c0a3cf76f0bb204",
+    # the RoPE cache relies on these computing from their arguments and settings only
+    "LTX2AudioVideoRotaryPosEmbed.forward": "6432e1c51dd6807ab0419bd212696e4d296d9004432217b718d945be55b126dc",
+    "LTX2AudioVideoRotaryPosEmbed.prepare_audio_coords": (
+        "9932c6332f8af247b08b792da5a37a2dc9319d587d24c10b486e406b713c63bc"
+    ),
     "LTX2Attention.forward": "defe2a9bb6a171cfb695580e9de0de61f55eeaa0dea2d8570779f6d5b9a5b992",
     "LTX2AudioVideoAttnProcessor.__call__": "0391667b7f0a45ae803d1e8574e2545e6dd29f16dfd2309289a340c12548ccc8",
     "LTX2PerturbedAttnProcessor.__call__": "ab3b88fd4d26207272132699a1636744bde6692fd57b141f4b0444157131f6e0",
@@ -117,6 +133,11 @@ def _stock_functions() -> dict:
         "LTX2VideoTransformerBlock.get_mod_params": LTX2VideoTransformerBlock.get_mod_params,
         "LTX2VideoTransformer3DModel.forward": inspect.unwrap(LTX2VideoTransformer3DModel.forward),
         "LTX2AudioVideoRotaryPosEmbed.prepare_video_coords": LTX2AudioVideoRotaryPosEmbed.prepare_video_coords,
+        "LTX2AdaLayerNormSingle.forward": LTX2AdaLayerNormSingle.forward,
+        "PixArtAlphaCombinedTimestepSizeEmbeddings.forward": PixArtAlphaCombinedTimestepSizeEmbeddings.forward,
+        "Timesteps.forward": Timesteps.forward,
+        "LTX2AudioVideoRotaryPosEmbed.forward": LTX2AudioVideoRotaryPosEmbed.forward,
+        "LTX2AudioVideoRotaryPosEmbed.prepare_audio_coords": LTX2AudioVideoRotaryPosEmbed.prepare_audio_coords,
         "LTX2Attention.forward": LTX2Attention.forward,
         "LTX2AudioVideoAttnProcessor.__call__": LTX2AudioVideoAttnProcessor.__call__,
         "LTX2PerturbedAttnProcessor.__call__": LTX2PerturbedAttnProcessor.__call__,
@@ -489,6 +510,128 @@ def _prepare_video_coords(
     return pixel_coords
 
 
+class _TimestepEmbeddings:
+    """`embed(m, t, batch_size=, hidden_dtype=)` is `m(t, ...)` for diffusers'
+    `LTX2AdaLayerNormSingle` modules, within one forward.
+
+    The forward embeds the same timestep values with up to six of these modules
+    (video, audio, both cross-attention scale/shift; the two gates embed the same
+    product twice), and each starts with the same parameter-free sinusoidal
+    projection (`Timesteps`: about ten small ops, run by the host while the GPU
+    waits). Here a projection, and the gates' product, are computed once per
+    distinct input: the same tensor (storage, offset, shape, strides, version;
+    held, so its memory is not reused within the forward) and the same settings,
+    so the same ops on the same values. Modules of other classes, with hooks or
+    instance forwards, run as they are; so does everything while compiling."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled and not (_module_hooks._global_forward_hooks or _module_hooks._global_forward_pre_hooks)
+        self.memo: dict = {}
+
+    @staticmethod
+    def _id(t: torch.Tensor) -> tuple:
+        return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t._version)
+
+    def product(self, t, factor):
+        """`t * factor`."""
+        if not self.enabled:
+            return t * factor
+        key = ("product", self._id(t), type(factor), factor)
+        hit = self.memo.get(key)
+        if hit is None:
+            hit = self.memo[key] = (t, t * factor)
+        return hit[1]
+
+    def __call__(self, module, timestep, *, batch_size=None, hidden_dtype=None):
+        emb = getattr(module, "emb", None)
+        proj = getattr(emb, "time_proj", None)
+        if not (self.enabled and _plain_module(module, LTX2AdaLayerNormSingle)
+                and _plain_module(emb, PixArtAlphaCombinedTimestepSizeEmbeddings)
+                and not emb.use_additional_conditions and _plain_module(proj, Timesteps)):
+            return module(timestep, batch_size=batch_size, hidden_dtype=hidden_dtype)
+        key = ("proj", self._id(timestep), proj.num_channels, proj.flip_sin_to_cos, proj.downscale_freq_shift,
+               proj.scale)
+        hit = self.memo.get(key)
+        if hit is None:
+            hit = self.memo[key] = (timestep, proj(timestep))
+        # diffusers: LTX2AdaLayerNormSingle.forward -> PixArtAlphaCombinedTimestepSizeEmbeddings.forward
+        embedded_timestep = emb.timestep_embedder(hit[1].to(dtype=hidden_dtype))
+        return module.linear(module.silu(embedded_timestep)), embedded_timestep
+
+
+def _plain_module(module, cls) -> bool:
+    """`module` is a `cls` whose call is just `cls.forward`: no hooks, no instance forward."""
+    return (type(module) is cls and "forward" not in module.__dict__ and not (
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks))
+
+
+class RopeCache:
+    """The RoPE frequencies of the last coordinates the forward built itself, per modality.
+
+    When the caller passes no `video_coords` / `audio_coords`, the forward builds
+    them from integers (batch size, frames, height, width, fps) and turns them into
+    cos/sin tables with some forty small ops, which run on the host while the GPU
+    waits: 2.5 ms of a 32 ms forward at full width on the H200 (bench/timeline.py).
+    Those tables are a pure function of the integers, the device and the RoPE
+    modules' settings (diffusers' code, sha-checked), so the last tables per
+    modality are kept and returned while that key holds: the same tensors the
+    computation gives, bit for bit. Coordinates passed by the caller (the
+    pipelines pass them) are not cached: their values could change unseen.
+
+    Not used (computed as diffusers does) while compiling, while capturing a CUDA
+    graph, when a RoPE module has hooks or another forward, or after anything
+    wrote to the kept tables in place (their version counters). Memory: the kept
+    tables (video cos + sin: 2 x S x D fp32, 200 MB at 6144 x 4096) stay
+    allocated between forwards; `clear()` or `handle.restore()` frees them."""
+
+    def __init__(self):
+        self.entries: dict = {}  # modality -> (key, value, versions)
+
+    def get(self, modality: str, args: tuple, modules: tuple, compute):
+        if torch.compiler.is_compiling() or policy._capturing():
+            return compute()
+        settings = []
+        for m in modules:
+            if type(m).forward is not LTX2AudioVideoRotaryPosEmbed.forward or "forward" in m.__dict__ or (
+                m._forward_hooks or m._forward_pre_hooks
+            ):
+                return compute()
+            settings.append(_settings_of(m))
+        device = args[-1]
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+        key = (args, tuple(settings), stream, torch.get_default_dtype(), torch.is_grad_enabled(),
+               torch.is_inference_mode_enabled())
+        try:
+            hash(key)
+        except TypeError:  # a setting that can't be keyed: no caching
+            return compute()
+        entry = self.entries.get(modality)
+        if entry is not None and entry[0] == key and _versions(entry[1]) == entry[2]:
+            return entry[1]
+        value = compute()
+        self.entries[modality] = (key, value, _versions(value))
+        return value
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+
+def _settings_of(module) -> tuple:
+    return (type(module),) + tuple(
+        (k, v) for k, v in vars(module).items()
+        if not k.startswith("_") and isinstance(v, (bool, int, float, str, tuple, type(None)))
+    )
+
+
+def _versions(value) -> tuple:
+    return tuple(t._version for pair in value for t in pair)
+
+
+def _rope_cache(model):
+    handle = model.__dict__.get("_bitfuse_handle")
+    return None if handle is None else handle.rope_cache
+
+
 def _video_coords(rope, *args, **kwargs):
     if type(rope).prepare_video_coords is LTX2AudioVideoRotaryPosEmbed.prepare_video_coords:
         return _prepare_video_coords(rope, *args, **kwargs)
@@ -547,17 +690,37 @@ def _model_forward(
     batch_size = hidden_states.size(0)
 
     # 1. Prepare RoPE positional embeddings
-    if video_coords is None:
-        # diffusers: self.rope.prepare_video_coords(...) (bitfuse: no host-to-device copy inside)
-        video_coords = _video_coords(self.rope, batch_size, num_frames, height, width, hidden_states.device, fps=fps)
-    if audio_coords is None:
-        audio_coords = self.audio_rope.prepare_audio_coords(batch_size, audio_num_frames, audio_hidden_states.device)
+    # (bitfuse: frequencies of coordinates built here, from integers, come from _rope_cache)
+    def video_ropes(video_coords):
+        if video_coords is None:
+            # diffusers: self.rope.prepare_video_coords(...) (bitfuse: no host-to-device copy inside)
+            video_coords = _video_coords(
+                self.rope, batch_size, num_frames, height, width, hidden_states.device, fps=fps
+            )
+        return (self.rope(video_coords, device=hidden_states.device),
+                self.cross_attn_rope(video_coords[:, 0:1, :], device=hidden_states.device))
 
-    video_rotary_emb = self.rope(video_coords, device=hidden_states.device)
-    audio_rotary_emb = self.audio_rope(audio_coords, device=audio_hidden_states.device)
+    def audio_ropes(audio_coords):
+        if audio_coords is None:
+            audio_coords = self.audio_rope.prepare_audio_coords(
+                batch_size, audio_num_frames, audio_hidden_states.device
+            )
+        return (self.audio_rope(audio_coords, device=audio_hidden_states.device),
+                self.cross_attn_audio_rope(audio_coords[:, 0:1, :], device=audio_hidden_states.device))
 
-    video_cross_attn_rotary_emb = self.cross_attn_rope(video_coords[:, 0:1, :], device=hidden_states.device)
-    audio_cross_attn_rotary_emb = self.cross_attn_audio_rope(audio_coords[:, 0:1, :], device=audio_hidden_states.device)
+    cache = None if torch.compiler.is_compiling() else _rope_cache(self)
+    if video_coords is None and cache is not None:
+        video_rotary_emb, video_cross_attn_rotary_emb = cache.get(
+            "video", (batch_size, num_frames, height, width, fps, hidden_states.device),
+            (self.rope, self.cross_attn_rope), lambda: video_ropes(None))
+    else:
+        video_rotary_emb, video_cross_attn_rotary_emb = video_ropes(video_coords)
+    if audio_coords is None and cache is not None:
+        audio_rotary_emb, audio_cross_attn_rotary_emb = cache.get(
+            "audio", (batch_size, audio_num_frames, audio_hidden_states.device),
+            (self.audio_rope, self.cross_attn_audio_rope), lambda: audio_ropes(None))
+    else:
+        audio_rotary_emb, audio_cross_attn_rotary_emb = audio_ropes(audio_coords)
 
     # 2. Patchify input projections
     hidden_states = self.proj_in(hidden_states)
@@ -569,6 +732,8 @@ def _model_forward(
         hidden_states = hidden_states + marker * self.keyframes_abs_pos_embedding.to(dtype=hidden_states.dtype)
 
     # 3. Prepare timestep embeddings and modulation parameters
+    # (bitfuse: embed(m, t, ...) is m(t, ...) with the sinusoidal projection of equal inputs shared)
+    embed = _TimestepEmbeddings(enabled=not torch.compiler.is_compiling())
     timestep_cross_attn_gate_scale_factor = (
         self.config.cross_attn_timestep_scale_multiplier / self.config.timestep_scale_multiplier
     )
@@ -576,7 +741,8 @@ def _model_forward(
     # 3.1. Prepare global modality (video and audio) timestep embedding and modulation parameters
     # temb is used in the transformer blocks (as expected), while embedded_timestep is used for the output layer
     # modulation with scale_shift_table (and similarly for audio)
-    temb, embedded_timestep = self.time_embed(
+    temb, embedded_timestep = embed(
+        self.time_embed,
         timestep.flatten(),
         batch_size=batch_size,
         hidden_dtype=hidden_states.dtype,
@@ -584,7 +750,8 @@ def _model_forward(
     temb = temb.view(batch_size, -1, temb.size(-1))
     embedded_timestep = embedded_timestep.view(batch_size, -1, embedded_timestep.size(-1))
 
-    temb_audio, audio_embedded_timestep = self.audio_time_embed(
+    temb_audio, audio_embedded_timestep = embed(
+        self.audio_time_embed,
         audio_timestep.flatten(),
         batch_size=batch_size,
         hidden_dtype=audio_hidden_states.dtype,
@@ -594,9 +761,9 @@ def _model_forward(
 
     if self.prompt_modulation and self.config.use_prompt_adaln_single:
         # LTX-2.3
-        temb_prompt, _ = self.prompt_adaln(sigma.flatten(), batch_size=batch_size, hidden_dtype=hidden_states.dtype)
-        temb_prompt_audio, _ = self.audio_prompt_adaln(
-            audio_sigma.flatten(), batch_size=batch_size, hidden_dtype=audio_hidden_states.dtype
+        temb_prompt, _ = embed(self.prompt_adaln, sigma.flatten(), batch_size=batch_size, hidden_dtype=hidden_states.dtype)
+        temb_prompt_audio, _ = embed(
+            self.audio_prompt_adaln, audio_sigma.flatten(), batch_size=batch_size, hidden_dtype=audio_hidden_states.dtype
         )
         temb_prompt = temb_prompt.view(batch_size, -1, temb_prompt.size(-1))
         temb_prompt_audio = temb_prompt_audio.view(batch_size, -1, temb_prompt_audio.size(-1))
@@ -605,13 +772,15 @@ def _model_forward(
 
     # 3.2. Prepare global modality cross attention modulation parameters
     video_ca_timestep = audio_sigma.flatten() if use_cross_timestep else timestep.flatten()
-    video_cross_attn_scale_shift, _ = self.av_cross_attn_video_scale_shift(
+    video_cross_attn_scale_shift, _ = embed(
+        self.av_cross_attn_video_scale_shift,
         video_ca_timestep,
         batch_size=batch_size,
         hidden_dtype=hidden_states.dtype,
     )
-    video_cross_attn_a2v_gate, _ = self.av_cross_attn_video_a2v_gate(
-        video_ca_timestep * timestep_cross_attn_gate_scale_factor,
+    video_cross_attn_a2v_gate, _ = embed(
+        self.av_cross_attn_video_a2v_gate,
+        embed.product(video_ca_timestep, timestep_cross_attn_gate_scale_factor),
         batch_size=batch_size,
         hidden_dtype=hidden_states.dtype,
     )
@@ -621,13 +790,15 @@ def _model_forward(
     video_cross_attn_a2v_gate = video_cross_attn_a2v_gate.view(batch_size, -1, video_cross_attn_a2v_gate.shape[-1])
 
     audio_ca_timestep = sigma.flatten() if use_cross_timestep else audio_timestep.flatten()
-    audio_cross_attn_scale_shift, _ = self.av_cross_attn_audio_scale_shift(
+    audio_cross_attn_scale_shift, _ = embed(
+        self.av_cross_attn_audio_scale_shift,
         audio_ca_timestep,
         batch_size=batch_size,
         hidden_dtype=audio_hidden_states.dtype,
     )
-    audio_cross_attn_v2a_gate, _ = self.av_cross_attn_audio_v2a_gate(
-        audio_ca_timestep * timestep_cross_attn_gate_scale_factor,
+    audio_cross_attn_v2a_gate, _ = embed(
+        self.av_cross_attn_audio_v2a_gate,
+        embed.product(audio_ca_timestep, timestep_cross_attn_gate_scale_factor),
         batch_size=batch_size,
         hidden_dtype=audio_hidden_states.dtype,
     )
@@ -1020,6 +1191,7 @@ class LTX2Handle:
         self._installs: list = []  # _Install and _ProcessorSwap, undone in reverse
         self._marked: list[torch.nn.Module] = []
         self.active = False
+        self.rope_cache = RopeCache()
 
     @property
     def sites(self) -> list:
@@ -1036,6 +1208,7 @@ class LTX2Handle:
             for m in self._marked:
                 sites.unmark_site(m)
             self._marked.clear()
+            self.rope_cache.clear()
             if self.model.__dict__.get("_bitfuse_handle") is self:
                 del self.model.__dict__["_bitfuse_handle"]
             self.active = False

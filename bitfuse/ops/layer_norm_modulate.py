@@ -81,10 +81,13 @@ LANES = 128  # aten's num_threads(): 4 warps of 32
 
 
 @jit
-def _welford_step(v, mean, m2, valid, c_new, WELFORD_FMA: tl.constexpr, FULL: tl.constexpr):
+def _welford_step(v, mean, m2, valid, c_new: tl.constexpr, WELFORD_FMA: tl.constexpr, FULL: tl.constexpr):
     """cuWelfordOnlineSum for the threads that hold this vector (all, if FULL);
-    c_new: their count after this value (the same for all of them)."""
-    rcp = tl.math.div_rn(tl.full([], 1.0, tl.float32), c_new)
+    c_new: their count after this value (the same for all of them, known at
+    compile time). aten divides 1 / count at run time (IEEE); the constant here is
+    the same fp32 value: float32(1.0 / n), rounded from the double, equals the
+    correctly rounded fp32 quotient for every n < 2**16 (checked with numpy)."""
+    rcp = tl.full([], 1.0 / c_new, tl.float32)
     delta = v - mean
     if WELFORD_FMA:
         nm = tl.fma(delta, rcp, mean)
@@ -186,10 +189,10 @@ def _layer_norm_modulate_exact_kernel(
         e1, e3 = tl.split(od)
         valid = vvec[None, :]
         full = (j + 1) * L <= NV  # every thread holds a vector of this chunk
-        mean, m2 = _welford_step(e0, mean, m2, valid, tl.full([], 4 * j + 1, tl.float32), WELFORD_FMA, full)
-        mean, m2 = _welford_step(e1, mean, m2, valid, tl.full([], 4 * j + 2, tl.float32), WELFORD_FMA, full)
-        mean, m2 = _welford_step(e2, mean, m2, valid, tl.full([], 4 * j + 3, tl.float32), WELFORD_FMA, full)
-        mean, m2 = _welford_step(e3, mean, m2, valid, tl.full([], 4 * j + 4, tl.float32), WELFORD_FMA, full)
+        mean, m2 = _welford_step(e0, mean, m2, valid, 4 * j + 1, WELFORD_FMA, full)
+        mean, m2 = _welford_step(e1, mean, m2, valid, 4 * j + 2, WELFORD_FMA, full)
+        mean, m2 = _welford_step(e2, mean, m2, valid, 4 * j + 3, WELFORD_FMA, full)
+        mean, m2 = _welford_step(e3, mean, m2, valid, 4 * j + 4, WELFORD_FMA, full)
 
     # each thread's count: 4 per vector it holds
     cnt = (4 * tl.maximum((NV - lane + L - 1) // L, 0)).to(tl.float32)
@@ -321,11 +324,13 @@ def _plan(x, scale, shift, eps, exact, cpu_ok=False):
 
 
 def exact_launch_shape(plan, elem_bytes: int) -> tuple[int, int]:
-    """(R, num_warps) for the exact kernel: one row of 128 reference threads on 2
-    warps (33.0 us at 6144 x 4096 bf16 on the H200; 4 warps 35.9, 1 warp 39.1), or
-    4 warps with per-token parameters (49.5 us against 52.1; bench/sweep_configs.py)."""
+    """(R, num_warps) for the exact kernel: two rows of 128 reference threads on 4
+    warps (31.9 us at 6144 x 4096 bf16 on the H200, against 33.0-33.5 for one row
+    on 2 warps, 33.8 for (2, 8), 36.4 for (2, 2); scratch sweeps logged in
+    bench/NOTES.md), or one row on 4 warps with per-token parameters (49.5 us
+    against 52.1; bench/sweep_configs.py)."""
     per_token = plan.c_strides[1] != 0 or plan.h_strides[1] != 0
-    return 1, 4 if per_token else 2
+    return (1, 4) if per_token else (2, 4)
 
 
 def launch_layer_norm_modulate(plan, exact: bool = True, config=None, out=None, stats=None) -> torch.Tensor:

@@ -58,7 +58,7 @@ def _param(ptr, off, mask, table_ptr, t_off, t_mask, TABLE: tl.constexpr, dtype:
 @jit
 def _modulate_kernel(
     x_ptr, scale_ptr, shift_ptr, out_ptr, scale_table_ptr, shift_table_ptr,
-    S, D,
+    S, D, NCB,
     x_sb, x_ss, x_sd,
     c_sb, c_ss, c_sd,
     h_sb, h_ss, h_sd,
@@ -72,10 +72,14 @@ def _modulate_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    # program (row chunk, column block, sample b): BLOCK_R rows of sample b, no index division
+    # program (row chunk * NCB + column block, sample b): column blocks fastest, so
+    # consecutive programs read consecutive memory (2048-column blocks, 6144 x 4096
+    # bf16 on the H200: 26.3 us, against 27.1 with rows fastest)
     b = tl.program_id(2)
-    s = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    pid = tl.program_id(0)
+    rc = pid // NCB  # NCB == 1 (one block a row) is specialised: no division
+    s = rc * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = (pid - rc * NCB) * BLOCK_D + tl.arange(0, BLOCK_D)
     if INT64:
         b = b.to(tl.int64)
         s = s.to(tl.int64)
@@ -193,9 +197,9 @@ def launch_modulate(plan: ModulatePlan, config=None, out=None) -> torch.Tensor:
     even = r.S % block_r == 0 and r.D % block_d == 0
     ct, ht = plan.scale_table, plan.shift_table
     _launch(
-        (cdiv(r.S, block_r), cdiv(r.D, block_d), r.B),
+        (cdiv(r.S, block_r) * cdiv(r.D, block_d), 1, r.B),
         (x, plan.scale, plan.shift, out, plan.scale if ct is None else ct, plan.shift if ht is None else ht),
-        (r.S, r.D, r.sb, r.ss, r.sd, *c, *h, 0 if ct is None else ct.stride(0), 0 if ht is None else ht.stride(0)),
+        (r.S, r.D, cdiv(r.D, block_d), r.sb, r.ss, r.sd, *c, *h, 0 if ct is None else ct.stride(0), 0 if ht is None else ht.stride(0)),
         (c[1] != 0, h[1] != 0, ct is not None, ht is not None, even, plan.wide, block_r, block_d),
         num_warps,
     )
