@@ -18,10 +18,10 @@ step() {  # step SECONDS NAME COMMAND...
   echo "=== $name: exit $?"
   tail -n "${TAIL:-12}" "$OUT/$name.log"
 }
-STEPS=${STEPS:-"tests verify ops ltx2"}  # a subset per call keeps each under the device's 10-minute limit
+STEPS=${STEPS:-"tests verify ops ltx2"}  # a subset per call keeps each under the device's 10-minute limit; GPU_TESTS narrows the tests
 for s in $STEPS; do
   case $s in
-    tests) step "${T_TESTS:-200}" gpu_tests python3 -m pytest tests/gpu -q -p no:cacheprovider -rf ;;
+    tests) step "${T_TESTS:-200}" gpu_tests python3 -m pytest ${GPU_TESTS:-tests/gpu} -q -p no:cacheprovider -rf ;;
     verify) step 90 verify sh -c 'python3 -m bitfuse verify --quick > "$OUT/results/verify-$SLUG.txt"; tail -n 3 "$OUT/results/verify-$SLUG.txt"' ;;
     ops) step "${T_OPS:-170}" bench_ops python3 bench/ops.py --norm-shapes "${NORM_SHAPES:-main}" --out "$OUT/results" ;;
     ltx2) step "${T_LTX2:-200}" bench_ltx2 python3 bench/ltx2.py --layers 4 --iters 30 --out "$OUT/results" ;;

@@ -92,8 +92,61 @@ def ltx2_section(path):
     return lines
 
 
+def headline(ops_path, ltx2_path):
+    """The few figures a reader wants first, from the same JSON as the tables."""
+    lines = []
+    if ltx2_path:
+        res = json.load(open(ltx2_path))
+        cfg = res["config"]
+        for ts, modes in res["results"].items():
+            def ms(m):
+                return modes.get(m, {}).get("ms")
+
+            def differ(m):
+                r = modes.get(m, {})
+                return f"{r['mismatches']:,} of {r['numel']:,} elements differ" if r.get("mismatches") is not None else ""
+
+            if ms("eager") is None or ms("bitfuse-lossless") is None:
+                continue
+            parts = [f"eager {ms('eager'):.1f} ms",
+                     f"bitfuse lossless {ms('bitfuse-lossless'):.1f} ms "
+                     f"({ms('eager') / ms('bitfuse-lossless'):.2f}x, {differ('bitfuse-lossless')})"]
+            if ms("bitfuse-high") is not None:
+                parts.append(f"high {ms('bitfuse-high'):.1f} ms ({differ('bitfuse-high')})")
+            if ms("graphs-lossless") is not None:
+                parts.append(f"lossless with CUDA graphs {ms('graphs-lossless'):.1f} ms")
+            if ms("compile-regional") is not None:
+                parts.append(f"regional torch.compile {ms('compile-regional'):.1f} ms ({differ('compile-regional')})")
+            lines.append(f"- LTX-2, {cfg['layers']} layers, {cfg['video_tokens']} video tokens, {ts} timestep: "
+                         + "; ".join(parts) + ".")
+    if ops_path:
+        rows = json.load(open(ops_path))["rows"]
+        big = [r for r in rows if r["op"] in ("modulate", "gated_residual") and r["S"] >= 6144
+               and r["variant"] == "bitfuse lossless" and "pct_ceiling" in r]
+        if big:
+            lo, hi = min(r["pct_ceiling"] for r in big), max(r["pct_ceiling"] for r in big)
+            lines.append(f"- Modulate and gated residual at 6144 tokens and above: {lo:.0f}-{hi:.0f}% of the "
+                         "copy ceiling, bit-exact.")
+        norms = [r for r in rows if r["op"].endswith("+modulate") and r["params"] == "per-sample"
+                 and r["variant"] in ("eager", "bitfuse lossless", "bitfuse high") and "us" in r]
+        by_op = {}
+        for r in norms:
+            by_op.setdefault((r["op"], r["D"], r["S"]), {})[r["variant"]] = r
+        for (op, D, S), v in by_op.items():
+            if "eager" in v and "bitfuse lossless" in v:
+                text = (f"- {op}, {S} x {D}, per-sample: eager {v['eager']['us']:.0f} us, lossless "
+                        f"{v['bitfuse lossless']['us']:.1f} us ({v['bitfuse lossless']['pct_ceiling']:.0f}% of the "
+                        f"ceiling, {'bit-exact' if v['bitfuse lossless']['exact'] else 'NOT exact'})")
+                if "bitfuse high" in v:
+                    text += f", high {v['bitfuse high']['us']:.1f} us ({v['bitfuse high']['pct_ceiling']:.0f}%)"
+                lines.append(text + ".")
+    return lines + ([""] if lines else [])
+
+
 def render():
-    out = []
+    ops = sorted(glob.glob(os.path.join(RESULTS, "ops-*.json")))
+    ltx2 = [p for p in sorted(glob.glob(os.path.join(RESULTS, "ltx2-*.json"))) if "tokens" not in os.path.basename(p)]
+    out = headline(ops[0] if ops else None, ltx2[0] if ltx2 else None)
     for path in sorted(glob.glob(os.path.join(RESULTS, "ops-*.json"))):
         out += ops_section(path) + [""]
     for path in sorted(glob.glob(os.path.join(RESULTS, "ltx2-*.json"))):

@@ -571,7 +571,7 @@ class RopeCache:
     When the caller passes no `video_coords` / `audio_coords`, the forward builds
     them from integers (batch size, frames, height, width, fps) and turns them into
     cos/sin tables with some forty small ops, which run on the host while the GPU
-    waits: 2.5 ms of a 32 ms forward at full width on the H200 (bench/timeline.py).
+    waits: 2.3 ms of a 32 ms forward at full width on the H200 (bench/timeline.py).
     Those tables are a pure function of the integers, the device and the RoPE
     modules' settings (diffusers' code, sha-checked), so the last tables per
     modality are kept and returned while that key holds: the same tensors the

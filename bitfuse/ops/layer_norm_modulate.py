@@ -324,13 +324,12 @@ def _plan(x, scale, shift, eps, exact, cpu_ok=False):
 
 
 def exact_launch_shape(plan, elem_bytes: int) -> tuple[int, int]:
-    """(R, num_warps) for the exact kernel: two rows of 128 reference threads on 4
-    warps (31.9 us at 6144 x 4096 bf16 on the H200, against 33.0-33.5 for one row
-    on 2 warps, 33.8 for (2, 8), 36.4 for (2, 2); scratch sweeps logged in
-    bench/NOTES.md), or one row on 4 warps with per-token parameters (49.5 us
-    against 52.1; bench/sweep_configs.py)."""
+    """(R, num_warps) for the exact kernel: one row of 128 reference threads on 2
+    warps (33.1 us at 6144 x 4096 bf16 on the H200; 4 warps 35.9; two rows on 4
+    warps 45.7, bench/sweep_configs.py), or 4 warps with per-token parameters
+    (49.5 us against 52.1)."""
     per_token = plan.c_strides[1] != 0 or plan.h_strides[1] != 0
-    return (1, 4) if per_token else (2, 4)
+    return 1, 4 if per_token else 2
 
 
 def launch_layer_norm_modulate(plan, exact: bool = True, config=None, out=None, stats=None) -> torch.Tensor:
