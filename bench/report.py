@@ -104,7 +104,9 @@ def headline(ops_path, ltx2_path):
 
             def differ(m):
                 r = modes.get(m, {})
-                return f"{r['mismatches']:,} of {r['numel']:,} elements differ" if r.get("mismatches") is not None else ""
+                if r.get("mismatches") is None:
+                    return ""
+                return f"{r['mismatches']:,} of {r['numel']:,} elements differ"
 
             if ms("eager") is None or ms("bitfuse-lossless") is None:
                 continue

@@ -24,10 +24,12 @@ instances switch `__class__` to copies whose query/key rotation goes through
 any other class is left alone.
 
 Everything else (attention modules, feed-forwards, the timestep embeddings,
-the RoPE frequencies) is called exactly as diffusers calls it, so attention
-backends, other processors, LoRA scaling and hooks keep working. RoPE
-frequencies of coordinates the forward builds itself are kept between calls
-(`RopeCache`: a pure function of integers and settings, so the same bits). The
+the RoPE frequencies) is called as diffusers calls it, so attention backends,
+other processors, LoRA scaling and hooks keep working, with two host-time
+savings that compute the same bits: the timestep embeddings share the
+sinusoidal projection of equal inputs within a forward (`_TimestepEmbeddings`;
+modules with hooks run as they are), and the RoPE tables of coordinates the
+forward builds itself are kept between calls (`RopeCache`). The
 modulation parameters are the strided `unbind` views diffusers makes; they go
 to the sites as they are (no densifying copy).
 
@@ -761,9 +763,14 @@ def _model_forward(
 
     if self.prompt_modulation and self.config.use_prompt_adaln_single:
         # LTX-2.3
-        temb_prompt, _ = embed(self.prompt_adaln, sigma.flatten(), batch_size=batch_size, hidden_dtype=hidden_states.dtype)
+        temb_prompt, _ = embed(
+            self.prompt_adaln, sigma.flatten(), batch_size=batch_size, hidden_dtype=hidden_states.dtype
+        )
         temb_prompt_audio, _ = embed(
-            self.audio_prompt_adaln, audio_sigma.flatten(), batch_size=batch_size, hidden_dtype=audio_hidden_states.dtype
+            self.audio_prompt_adaln,
+            audio_sigma.flatten(),
+            batch_size=batch_size,
+            hidden_dtype=audio_hidden_states.dtype,
         )
         temb_prompt = temb_prompt.view(batch_size, -1, temb_prompt.size(-1))
         temb_prompt_audio = temb_prompt_audio.view(batch_size, -1, temb_prompt_audio.size(-1))

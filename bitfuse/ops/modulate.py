@@ -199,7 +199,8 @@ def launch_modulate(plan: ModulatePlan, config=None, out=None) -> torch.Tensor:
     _launch(
         (cdiv(r.S, block_r) * cdiv(r.D, block_d), 1, r.B),
         (x, plan.scale, plan.shift, out, plan.scale if ct is None else ct, plan.shift if ht is None else ht),
-        (r.S, r.D, cdiv(r.D, block_d), r.sb, r.ss, r.sd, *c, *h, 0 if ct is None else ct.stride(0), 0 if ht is None else ht.stride(0)),
+        (r.S, r.D, cdiv(r.D, block_d), r.sb, r.ss, r.sd, *c, *h,
+         0 if ct is None else ct.stride(0), 0 if ht is None else ht.stride(0)),
         (c[1] != 0, h[1] != 0, ct is not None, ht is not None, even, plan.wide, block_r, block_d),
         num_warps,
     )
