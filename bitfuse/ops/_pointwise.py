@@ -131,6 +131,20 @@ def table_of(p, x: torch.Tensor):
     return p.temb, t, None
 
 
+def tables_of(scale, shift, x: torch.Tensor):
+    """`table_of` for a (scale, shift) pair: (scale, shift, scale_table, shift_table),
+    or a why-not string."""
+    if scale.__class__ is not Folded and shift.__class__ is not Folded:
+        return scale, shift, None, None
+    scale, scale_table, why = table_of(scale, x)
+    if why:
+        return why
+    shift, shift_table, why = table_of(shift, x)
+    if why:
+        return why
+    return scale, shift, scale_table, shift_table
+
+
 def layout_class(strides: tuple[int, int, int], p: torch.Tensor) -> str:
     """Name the parameter layout for gate signatures: what varies across rows, and
     whether the view is dense. e.g. 'per-sample', 'per-token/strided'."""

@@ -20,7 +20,6 @@ import torch
 from ._pointwise import (
     HAS_TRITON,
     FastLaunch,
-    Folded,
     Rows,
     broadcast_strides,
     cdiv,
@@ -30,7 +29,7 @@ from ._pointwise import (
     layout_class,
     needs_int64,
     rows_of,
-    table_of,
+    tables_of,
     tl,
     value,
 )
@@ -144,14 +143,10 @@ def plan_modulate(x, scale, shift) -> ModulatePlan | str:
     """The guard: a plan for the kernel, or the reason the call takes the reference."""
     if not HAS_TRITON:
         return "triton is not installed"
-    scale_table = shift_table = None
-    if scale.__class__ is Folded or shift.__class__ is Folded:
-        scale, scale_table, why = table_of(scale, x)
-        if why:
-            return why
-        shift, shift_table, why = table_of(shift, x)
-        if why:
-            return why
+    unpacked = tables_of(scale, shift, x)
+    if unpacked.__class__ is str:
+        return unpacked
+    scale, shift, scale_table, shift_table = unpacked
     why = common_device_dtype(x, scale, shift)
     if why:
         return why

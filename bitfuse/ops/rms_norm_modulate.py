@@ -99,7 +99,7 @@ from ._pointwise import (
     jit,
     layout_class,
     rows_of,
-    table_of,
+    tables_of,
     tl,
     triton,
 )
@@ -444,14 +444,10 @@ def plan_rms_norm(x, eps, reference):
 def _plan(x, scale, shift, eps, reference, exact, cpu_ok=False):
     if reference not in REFERENCES:
         return f"unknown RMSNorm reference {reference!r}"
-    scale_table = shift_table = None
-    if scale.__class__ is Folded or shift.__class__ is Folded:
-        scale, scale_table, why = table_of(scale, x)
-        if why:
-            return why
-        shift, shift_table, why = table_of(shift, x)
-        if why:
-            return why
+    unpacked = tables_of(scale, shift, x)
+    if unpacked.__class__ is str:
+        return unpacked
+    scale, shift, scale_table, shift_table = unpacked
     checked = _check_operands(x, scale, shift, cpu_ok=cpu_ok)
     if isinstance(checked, str):
         return checked

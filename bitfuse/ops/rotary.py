@@ -149,8 +149,9 @@ def addcmul_fuses(device) -> bool | None:
     b = 1 + 2**-12, b * b is inexact in fp32, so addcmul(-fl(b * b), b, b) is the
     rounding error with an FMA and 0 without. None where it is not yet known and
     can't be probed (torch.compile tracing, CUDA-graph capture)."""
-    index = torch.device(device).index
-    index = torch.cuda.current_device() if index is None else index
+    if device.__class__ is not int:  # a device index (what the plan passes) needs no parsing
+        device = torch.device(device).index
+    index = torch.cuda.current_device() if device is None else device
     known = _ADDCMUL_FUSES.get(index)
     if known is not None:
         return known
@@ -219,7 +220,7 @@ def plan_rotary(x, cos, sin, rope_type: str, y=None) -> RotaryPlan | str:
         return geometry
     fma = False
     if rope_type == "split":
-        fma = addcmul_fuses(x.device)
+        fma = addcmul_fuses(x.get_device())
         if fma is None:
             return "aten's addcmul rounding not probed yet on this device (capturing or compiling)"
     return RotaryPlan(rope_type, x, y, cos, sin, *geometry, fma)
