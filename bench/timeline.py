@@ -6,10 +6,10 @@ Full-width model, the token counts of bench/ltx2.py. For one synchronised
 forward (as bench/ltx2.py times it) it records, at every block boundary, the
 host clock and a CUDA event. Where the device clock runs close behind the host
 clock the device waits for the host (host-bound); where it runs ahead of the
-host the launch queue is full (device-bound). Prints per segment: host ms,
-device ms (its kernels, from the events) and the device's time at the segment
-end, plus the host time of a forward with no synchronisation at all (the host
-floor of back-to-back calls).
+host the launch queue is full (device-bound). Prints, at each point, when the
+host reached it and when the device did (ms from the start of the call), the
+same per segment, and the host time of a forward with no synchronisation at
+all (the host floor of back-to-back calls).
 """
 
 import argparse
@@ -38,9 +38,9 @@ class Marks:
                           *[(f"block{i}", b) for i, b in enumerate(model.transformer_blocks)],
                           ("proj_out", model.proj_out)]:
             self.handles.append(mod.register_forward_pre_hook(self._hook(name)))
-        self.handles.append(model.audio_proj_out.register_forward_hook(self._hook("end", post=True)))
+        self.handles.append(model.audio_proj_out.register_forward_hook(self._hook("end")))
 
-    def _hook(self, name, post=False):
+    def _hook(self, name):
         def hook(*_):
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
