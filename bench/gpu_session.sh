@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check in one device call, in priority order, each step time-boxed so
 # that what finished comes back: GPU tests, `bitfuse verify`, the op benchmark,
-# the LTX-2 benchmark (STEPS picks; `timeline` adds bench/timeline.py). Results
+# the LTX-2 benchmark (STEPS picks; `timeline` adds bench/timeline.py, `accuracy`
+# bench/norm_accuracy.py). Results
 # land in $OUT/results (copy them to bench/results).
 # diffusers travels as wheels in .whl (README of the device tool).
 set -u
@@ -25,6 +26,7 @@ for s in $STEPS; do
     verify) step 90 verify sh -c 'python3 -m bitfuse verify --quick > "$OUT/results/verify-$SLUG.txt"; tail -n 3 "$OUT/results/verify-$SLUG.txt"' ;;
     ops) step "${T_OPS:-170}" bench_ops python3 bench/ops.py --norm-shapes "${NORM_SHAPES:-main}" --out "$OUT/results" ;;
     ltx2) step "${T_LTX2:-200}" bench_ltx2 python3 bench/ltx2.py --layers 4 --iters 30 --out "$OUT/results" ;;
+    accuracy) step 150 accuracy python3 bench/norm_accuracy.py --out "$OUT/results" ;;
     timeline) step 120 timeline sh -c 'python3 bench/timeline.py --iters 10 > "$OUT/results/timeline-$SLUG.txt"' ;;
     *) echo "unknown step $s" ;;
   esac

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import triton  # noqa: E402
-from timing import copy_ceiling_tbps, device_us, host_us, sets_for  # noqa: E402
+from timing import GraphTimer, copy_ceiling_tbps, host_us, interleaved_us, sets_for  # noqa: E402
 
 import bitfuse.ops.modulate  # noqa: E402,F401
 import bitfuse.ops.rotary  # noqa: E402,F401
@@ -122,6 +122,43 @@ def make_call(op, variant, bufs, norm_refs, compiled_fns):
     return site
 
 
+def measure(variants, call, sets, compare):
+    """Check each variant on the first input set (`compare(output)` -> dict), capture
+    its timer over all sets, then time all of them in interleaved rounds. Returns
+    {variant: dict with "us" and the comparison, or "error"}."""
+    results, timers = {}, {}
+    for name in variants:
+        try:
+            with torch.no_grad():
+                out = call(name, sets[0])()
+                torch.cuda.synchronize()
+                results[name] = compare(out)
+                del out
+                timers[name] = GraphTimer([call(name, bufs) for bufs in sets])
+        except Exception as exc:  # record and go on: one broken variant must not hide the rest
+            results[name] = dict(error=f"{type(exc).__name__}: {exc}"[:300])
+    for name, t in interleaved_us(timers).items():
+        results[name]["us"] = t
+    for t in timers.values():
+        t.close()
+    return results
+
+
+def record(row, r, moved, ceiling):
+    """One result row: the case, then time, bandwidth and exactness (or the error)."""
+    if "error" in r:
+        print(f"  {row['op']} D={row['D']} S={row['S']} {row['params']} {row['variant']}: ERROR {r['error']}")
+        return {**row, "error": r["error"]}
+    t = r["us"]
+    tbps = moved / (t * 1e-6) / 1e12
+    row.update(us=round(t, 2), tbps=round(tbps, 3), pct_ceiling=round(100 * tbps / ceiling, 1),
+               floor_us=round(moved / (ceiling * 1e12) * 1e6, 2), exact=r["exact"], max_ulp=r["max_ulp"],
+               mismatches=r["mismatches"])
+    print(f"  {row['op']:28s} D={row['D']:5d} S={row['S']:6d} {row['params']:11s} {row['variant']:18s} "
+          f"{t:8.1f} us {row['pct_ceiling']:5.1f}% exact={row['exact']}")
+    return row
+
+
 def run_case(op, B, S, D, per_token, ceiling, rows, norm_refs):
     probe = operands(B, S, D, per_token)
     e = probe[0].element_size()
@@ -146,29 +183,14 @@ def run_case(op, B, S, D, per_token, ceiling, rows, norm_refs):
     n_sets = sets_for(moved)
     sets = [probe] + [operands(B, S, D, per_token, seed=i + 1) for i in range(n_sets - 1)]
     ref = make_call(op, "eager", probe, norm_refs, compiled_fns)()
-    floor = moved / (ceiling * 1e12) * 1e6
     params = "per-token" if per_token else "per-sample"
-    for name in variants:
-        try:
-            with torch.no_grad():
-                out = make_call(op, name, probe, norm_refs, compiled_fns)()
-                torch.cuda.synchronize()
-                exact = bool(torch.equal(out, ref))
-                ulps = max_ulp(out, ref)
-                mismatches = int((out != ref).sum())
-                t = device_us([make_call(op, name, bufs, norm_refs, compiled_fns) for bufs in sets])
-        except Exception as exc:  # record and go on: one broken variant must not hide the rest
-            rows.append(dict(op=op, B=B, S=S, D=D, params=params, variant=name,
-                             error=f"{type(exc).__name__}: {exc}"[:300]))
-            print(f"  {op} D={D} S={S} {params} {name}: ERROR {exc}")
-            continue
-        tbps = moved / (t * 1e-6) / 1e12
-        row = dict(op=op, B=B, S=S, D=D, params=params, variant=name,
-                   us=round(t, 2), tbps=round(tbps, 3), pct_ceiling=round(100 * tbps / ceiling, 1),
-                   floor_us=round(floor, 2), exact=exact, max_ulp=ulps, mismatches=mismatches)
-        rows.append(row)
-        print(f"  {op:28s} D={D:5d} S={S:6d} {params:10s} {name:18s} {t:8.1f} us "
-              f"{row['pct_ceiling']:5.1f}% exact={exact}")
+    call = lambda name, bufs: make_call(op, name, bufs, norm_refs, compiled_fns)  # noqa: E731
+
+    def compare(out):
+        return dict(exact=bool(torch.equal(out, ref)), max_ulp=max_ulp(out, ref), mismatches=int((out != ref).sum()))
+
+    for name, r in measure(variants, call, sets, compare).items():
+        rows.append(record(dict(op=op, B=B, S=S, D=D, params=params, variant=name), r, moved, ceiling))
     del sets, probe
     torch.cuda.empty_cache()
 
@@ -205,28 +227,15 @@ def run_rotary_case(rope_type, B, S, D, ceiling, rows):
     n_sets = sets_for(moved)
     sets = [probe] + [rotary_operands(rope_type, B, S, D, seed=i + 1) for i in range(n_sets - 1)]
     ref = call("eager", probe)()
-    floor = moved / (ceiling * 1e12) * 1e6
-    for name in ("eager", "torch.compile", "compile+emulate", "bitfuse lossless"):
-        try:
-            with torch.no_grad():
-                out = call(name, probe)()
-                torch.cuda.synchronize()
-                exact = all(bool(torch.equal(o, r)) for o, r in zip(out, ref))
-                ulps = max(max_ulp(o, r) for o, r in zip(out, ref))
-                mismatches = sum(int((o != r).sum()) for o, r in zip(out, ref))
-                t = device_us([call(name, bufs) for bufs in sets])
-        except Exception as exc:
-            rows.append(dict(op="rotary q+k", B=B, S=S, D=D, params=rope_type, variant=name,
-                             error=f"{type(exc).__name__}: {exc}"[:300]))
-            print(f"  rotary {rope_type} D={D} S={S} {name}: ERROR {exc}")
-            continue
-        tbps = moved / (t * 1e-6) / 1e12
-        row = dict(op="rotary q+k", B=B, S=S, D=D, params=rope_type, variant=name,
-                   us=round(t, 2), tbps=round(tbps, 3), pct_ceiling=round(100 * tbps / ceiling, 1),
-                   floor_us=round(floor, 2), exact=exact, max_ulp=ulps, mismatches=mismatches)
-        rows.append(row)
-        print(f"  {'rotary q+k':28s} D={D:5d} S={S:6d} {rope_type:11s} {name:18s} {t:8.1f} us "
-              f"{row['pct_ceiling']:5.1f}% exact={exact}")
+
+    def compare(out):
+        return dict(exact=all(bool(torch.equal(o, r)) for o, r in zip(out, ref)),
+                    max_ulp=max(max_ulp(o, r) for o, r in zip(out, ref)),
+                    mismatches=sum(int((o != r).sum()) for o, r in zip(out, ref)))
+
+    names = ("eager", "torch.compile", "compile+emulate", "bitfuse lossless")
+    for name, r in measure(names, call, sets, compare).items():
+        rows.append(record(dict(op="rotary q+k", B=B, S=S, D=D, params=rope_type, variant=name), r, moved, ceiling))
     del sets, probe
     torch.cuda.empty_cache()
 

@@ -6,7 +6,8 @@ streams from memory, and the graph is replayed many times; the median replay
 time over `calls` is the time of one call. This excludes host launch cost
 (measured separately by `host_us`) and avoids the artefact of flushing L2 by
 writing a buffer before each run (those dirty lines are written back during
-the timed kernel). Eager, torch.compile and bitfuse are timed the same way.
+the timed kernel). Eager, torch.compile and bitfuse are timed the same way, in interleaved
+rounds (`interleaved_us`).
 """
 
 from __future__ import annotations
@@ -25,35 +26,65 @@ def sets_for(bytes_per_call: int, cap: int = 48) -> int:
     return max(2, min(cap, math.ceil(L2_MULTIPLE_BYTES / max(bytes_per_call, 1))))
 
 
+class GraphTimer:
+    """`calls` (one closure per input set) captured once, `per_graph` calls in one
+    CUDA graph; `sample(replays)` replays it and returns microseconds per call, one
+    value a replay. Several timers can be alive at once, so variants can be timed
+    in interleaved rounds (a drift of clocks or temperature during a run then
+    does not favour whichever variant runs first)."""
+
+    def __init__(self, calls, per_graph: int | None = None):
+        self.per_graph = per_graph or max(len(calls), 16)
+        for c in calls:  # warm-up outside capture: compilation, first-sight verdicts
+            c()
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for c in calls:
+                c()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            for i in range(self.per_graph):
+                calls[i % len(calls)]()
+        self.graph.replay()
+        torch.cuda.synchronize()
+
+    def sample(self, replays: int) -> list[float]:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(replays):
+            start.record()
+            self.graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / self.per_graph)
+        return times
+
+    def close(self):
+        self.graph = None
+        torch.cuda.empty_cache()
+
+
 def device_us(calls, per_graph: int | None = None, replays: int = 30) -> float:
     """Median device microseconds of one call. `calls`: one closure per input set."""
-    per_graph = per_graph or max(len(calls), 16)
-    for c in calls:  # warm-up outside capture: compilation, first-sight verdicts
-        c()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(per_graph):
-            calls[i % len(calls)]()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / per_graph)
-    del graph
-    torch.cuda.empty_cache()
-    return statistics.median(times)
+    timer = GraphTimer(calls, per_graph)
+    try:
+        return statistics.median(timer.sample(replays))
+    finally:
+        timer.close()
+
+
+def interleaved_us(timers: dict, rounds: int = 6, replays: int = 5) -> dict:
+    """Median microseconds per call of each named GraphTimer, sampled in `rounds`
+    rounds of `replays` replays each, the order rotated every round."""
+    names = list(timers)
+    samples = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            samples[n] += timers[n].sample(replays)
+    return {n: statistics.median(v) for n, v in samples.items()}
 
 
 def host_us(fn, n: int = 2000, repeats: int = 5) -> float:

@@ -108,6 +108,9 @@ def test_launch_shape_and_index_width():
     assert launch_shape(5120, 7, 2) == (1, 1024, 4)  # divides D: no masked lanes
     assert launch_shape(2048, 1, 2) == (1, 2048, 8)
     assert launch_shape(2240, 3, 2) == (1, 4096, 4)
+    assert launch_shape(4096, 1024, 2) == (1, 4096, 8)  # few rows: whole rows, two vectors a thread
+    assert launch_shape(4096, 6144, 2, streams=3) == (1, 4096, 16)  # gated residual
+    assert launch_shape(4096, 6144, 4, streams=3) == (1, 2048, 8)
     assert not needs_int64((4, 6144 * 4096), (6144, 4096), (4096, 1))
     assert needs_int64((4, 32768 * 9 * 4096), (32768, 9 * 4096), (4096, 1))
 

@@ -14,6 +14,7 @@ import os
 import sys
 
 import pytest
+import numpy as np
 import torch
 
 from bitfuse.ops import layer_norm_modulate as _ln  # noqa: F401
@@ -198,7 +199,7 @@ def emulate_layer_norm_mean(x2d):
     st = [t[:, :, 0] for t in st]
     st = _combine([t[:, 0:2] for t in st], [t[:, 2:4] for t in st])
     st = _combine([t[:, 0] for t in st], [t[:, 1] for t in st])
-    return st[0]
+    return st[0], st[1]
 
 
 # ---------------------------------------------------------------- interpreter runs
@@ -265,7 +266,10 @@ def test_reduction_order_matches_the_emulation(kind, B, S, D):
     elif kind == "aten":
         expect = emulate_aten_sigma2(x2d)
     else:
-        expect = emulate_layer_norm_mean(x2d)
+        expect, m2 = emulate_layer_norm_mean(x2d)
+        # rstd from the emulated m2, with the interpreter's rsqrt (numpy's 1 / sqrt)
+        var = torch.div(m2, torch.tensor(float(D))) + torch.tensor(EPS, dtype=torch.float32)
+        assert torch.equal(stats[:, 1], torch.from_numpy(1 / np.sqrt(var.numpy())))
     assert torch.equal(stats[:, 0], expect)
 
 

@@ -185,16 +185,28 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def launch_shape(D: int, S: int, elem_bytes: int) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_D, num_warps) for the streaming row-wise kernels.
+def launch_shape(D: int, rows: int, elem_bytes: int, streams: int = 2) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_D, num_warps) for the streaming row-wise kernels; `rows`: B x S,
+    `streams`: full-size tensors read or written (x and out: 2; per-token parameters
+    and the gated residual's y add one each).
 
     One row per program and a column block that divides D (no masked-off lanes),
     with warps for one 16-byte vector per thread: 2048 columns on 8 warps, 1024 on
     4 (bf16/fp16). Measured on the H200 (bench/NOTES.md, "Pointwise"): at 6144 x
     4096 bf16 per-sample modulate 26.3 us against 26.9 for 4096 columns on 4 warps
     (four vectors a thread), 29.3 for 1024 on 8 (one 8-byte vector) and 45.8 for
-    512 on 8; per-token 47.7 against 49.0. Other D: one block of the next power
-    of two (masked), up to 4096 columns."""
+    512 on 8; per-token 47.7 against 49.0. For 16-bit rows of 4096 columns, two
+    refinements from the same sweeps (interleaved with Inductor's kernel): up to
+    1024 rows, whole rows on 8 warps (two vectors a thread, half the programs:
+    gated residual at 1024 x 4096 7.26 us against 7.55); with three or more streams,
+    whole rows on 16 warps (gated residual at 6144 x 4096 36.7 against 36.9; for
+    modulate per-sample at 24576 rows it was 1.5 us slower). Other D: one block of
+    the next power of two (masked), up to 4096 columns."""
+    if elem_bytes == 2 and D % 4096 == 0:
+        if rows <= 1024:
+            return 1, 4096, 8
+        if streams >= 3:
+            return 1, 4096, 16
     for block_d in (2048, 1024):
         if D % block_d == 0:
             return 1, block_d, max(1, min(8, block_d * elem_bytes // 512))

@@ -159,7 +159,8 @@ def launch_gated_residual(plan: GatedResidualPlan, config=None, out=None) -> tor
     x, r, yr, g = plan.x, plan.rows, plan.y_rows, plan.g_strides
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    block_r, block_d, num_warps = config or launch_shape(r.D, r.S, x.element_size())
+    streams = 3 + (g[1] != 0)
+    block_r, block_d, num_warps = config or launch_shape(r.D, r.B * r.S, x.element_size(), streams)
     gt = plan.gate_table
     _launch(
         (cdiv(r.S, block_r) * cdiv(r.D, block_d), 1, r.B),

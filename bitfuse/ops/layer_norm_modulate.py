@@ -36,8 +36,10 @@ not aligned (aten then takes RowwiseMomentsCUDAKernel + LayerNormForwardCUDAKern
 a block-reduce Welford with other roundings), or D > MAX_D.
 
 Pass 1 runs in aten's thread order; pass 2 is elementwise and re-reads x as
-wide row tiles (PASS2 = 2). 33.2 us at 6144 x 4096 bf16 on the H200 (copy floor
-23.5 us, eager 164.5 us, high mode 28.4 us).
+wide row tiles (PASS2 = 2). When every thread holds the same number of vectors
+(D % 512 == 0), the tree's counts are compile-time constants: the same values
+without the divisions, count shuffles and tests (a quarter of the kernel's
+instructions; timings in bench/results/ops-*.json).
 
 HIGH MODE: one pass, x read once, mean and variance in fp32 from registers
 (two-pass over the registers, no Welford), then eager's modulate roundings
@@ -102,10 +104,17 @@ def _welford_step(v, mean, m2, valid, c_new: tl.constexpr, WELFORD_FMA: tl.const
 
 
 @jit
-def _welford_combine(mB, sB, cB, mA, sA, cA, MEAN_V: tl.constexpr, SIG_FMA: tl.constexpr):
+def _welford_combine(mB, sB, cB, mA, sA, cA, MEAN_V: tl.constexpr, SIG_FMA: tl.constexpr, RCP: tl.constexpr):
+    """cuWelfordCombine(B, A). RCP > 0: both counts are the same compile-time
+    constant C (scalars cB = cA), and RCP = 1 / (2C) as a double, which rounds to
+    the fp32 quotient aten divides at run time (2C < 2**16, as in _welford_step):
+    the same values, without the division and the count > 0 test."""
     delta = mB - mA
     count = cA + cB
-    coef = tl.math.div_rn(tl.full(count.shape, 1.0, tl.float32), count)
+    if RCP > 0:
+        coef = tl.full([], RCP, tl.float32)
+    else:
+        coef = tl.math.div_rn(tl.full(count.shape, 1.0, tl.float32), count)
     nA = cA * coef
     nB = cB * coef
     if MEAN_V == 0:
@@ -120,8 +129,25 @@ def _welford_combine(mB, sB, cB, mA, sA, cA, MEAN_V: tl.constexpr, SIG_FMA: tl.c
         m2 = tl.fma(ddc, nB, sab)
     else:
         m2 = sab + ddc * nB
+    if RCP > 0:
+        return mean, m2, count
     pos = count > 0.0
     return tl.where(pos, mean, 0.0), tl.where(pos, m2, 0.0), count
+
+
+@jit
+def _combine_halves(mean, m2, cnt, R: tl.constexpr, G: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
+                    MEAN_V: tl.constexpr, SIG_FMA: tl.constexpr):
+    """One level of the tree: [R, G, 2H] -> [R, G, H], combine(B = lower half, A = upper
+    half). C > 0: every count at this level is C (cnt is not read)."""
+    mlo, mhi = _halves(mean, R, G, H)
+    slo, shi = _halves(m2, R, G, H)
+    if C > 0:
+        c = tl.full([], C, tl.float32)
+        return _welford_combine(mlo, slo, c, mhi, shi, c, MEAN_V, SIG_FMA, 1.0 / (2 * C))
+    else:
+        clo, chi = _halves(cnt, R, G, H)
+        return _welford_combine(mlo, slo, clo, mhi, shi, chi, MEAN_V, SIG_FMA, 0.0)
 
 
 @jit
@@ -194,27 +220,22 @@ def _layer_norm_modulate_exact_kernel(
         mean, m2 = _welford_step(e2, mean, m2, valid, 4 * j + 3, WELFORD_FMA, full)
         mean, m2 = _welford_step(e3, mean, m2, valid, 4 * j + 4, WELFORD_FMA, full)
 
-    # each thread's count: 4 per vector it holds
+    # each thread's count: 4 per vector it holds. When every thread holds NJ vectors
+    # (D % 512 == 0) the tree's counts are compile-time constants: C0 << level.
+    C0: tl.constexpr = 4 * NJ * (NV % L == 0)
     cnt = (4 * tl.maximum((NV - lane + L - 1) // L, 0)).to(tl.float32)
-    cnt = tl.broadcast_to(cnt[None, :], [R, L])
+    cnt = tl.reshape(tl.broadcast_to(cnt[None, :], [R, L]), [R, 4, 32])
     # warp shuffle-down tree (offsets 16..1), combine(B=own, A=other)
     mean = tl.reshape(mean, [R, 4, 32])
     m2 = tl.reshape(m2, [R, 4, 32])
-    cnt = tl.reshape(cnt, [R, 4, 32])
     for i in tl.static_range(5):
-        mlo, mhi = _halves(mean, R, 4, 16 >> i)
-        slo, shi = _halves(m2, R, 4, 16 >> i)
-        clo, chi = _halves(cnt, R, 4, 16 >> i)
-        mean, m2, cnt = _welford_combine(mlo, slo, clo, mhi, shi, chi, MEAN_V, SIG_FMA)
+        mean, m2, cnt = _combine_halves(mean, m2, cnt, R, 4, 16 >> i, C0 << i, MEAN_V, SIG_FMA)
     # across warps: (w0, w2), (w1, w3), then (w0, w1)
-    mlo, mhi = _halves(tl.reshape(mean, [R, 1, 4]), R, 1, 2)
-    slo, shi = _halves(tl.reshape(m2, [R, 1, 4]), R, 1, 2)
-    clo, chi = _halves(tl.reshape(cnt, [R, 1, 4]), R, 1, 2)
-    mean, m2, cnt = _welford_combine(mlo, slo, clo, mhi, shi, chi, MEAN_V, SIG_FMA)
-    mlo, mhi = _halves(mean, R, 1, 1)
-    slo, shi = _halves(m2, R, 1, 1)
-    clo, chi = _halves(cnt, R, 1, 1)
-    mean, m2, cnt = _welford_combine(mlo, slo, clo, mhi, shi, chi, MEAN_V, SIG_FMA)
+    if C0 == 0:
+        cnt = tl.reshape(cnt, [R, 1, 4])
+    mean, m2, cnt = _combine_halves(tl.reshape(mean, [R, 1, 4]), tl.reshape(m2, [R, 1, 4]), cnt, R, 1, 2,
+                                    C0 << 5, MEAN_V, SIG_FMA)
+    mean, m2, cnt = _combine_halves(mean, m2, cnt, R, 1, 1, C0 << 6, MEAN_V, SIG_FMA)
     mean = tl.reshape(mean, [R])
     rstd = _rsqrt(tl.math.div_rn(tl.reshape(m2, [R]), fD) + eps, RSQRT_ASM)
     # per-row statistics for the device checks (write_stats = 0 in production)
@@ -324,12 +345,17 @@ def _plan(x, scale, shift, eps, exact, cpu_ok=False):
 
 
 def exact_launch_shape(plan, elem_bytes: int) -> tuple[int, int]:
-    """(R, num_warps) for the exact kernel: one row of 128 reference threads on 2
-    warps (33.1 us at 6144 x 4096 bf16 on the H200; 4 warps 35.9; two rows on 4
-    warps 45.7, bench/sweep_configs.py), or 4 warps with per-token parameters
-    (49.5 us against 52.1)."""
+    """(R, num_warps) for the exact kernel (the reduction order does not depend on
+    them). Measured on the H200 at 6144 rows of bf16, timed interleaved: D = 4096
+    per-sample two rows on 4 warps (32.0 us against 33.2 for one row on 2), per-token
+    two rows on 8 (49.9 against 51.9 for one on 4); D = 3072 one row on 4 (25.0
+    against 26.4); D = 2048 and 5120 one row on 2. Elsewhere one row on 2 warps,
+    4 with per-token parameters."""
     per_token = plan.c_strides[1] != 0 or plan.h_strides[1] != 0
-    return 1, 4 if per_token else 2
+    return _EXACT_SHAPES.get((plan.rows.D, per_token), (1, 4 if per_token else 2))
+
+
+_EXACT_SHAPES = {(4096, False): (2, 4), (4096, True): (2, 8), (3072, False): (1, 4)}
 
 
 def launch_layer_norm_modulate(plan, exact: bool = True, config=None, out=None, stats=None) -> torch.Tensor:

@@ -188,7 +188,8 @@ def launch_modulate(plan: ModulatePlan, config=None, out=None) -> torch.Tensor:
     x, r, c, h = plan.x, plan.rows, plan.c_strides, plan.h_strides
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    block_r, block_d, num_warps = config or launch_shape(r.D, r.S, x.element_size())
+    streams = 2 + (c[1] != 0) + (h[1] != 0)
+    block_r, block_d, num_warps = config or launch_shape(r.D, r.B * r.S, x.element_size(), streams)
     even = r.S % block_r == 0 and r.D % block_d == 0
     ct, ht = plan.scale_table, plan.shift_table
     _launch(
