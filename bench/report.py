@@ -92,6 +92,35 @@ def ltx2_section(path):
     return lines
 
 
+def accuracy_section(path):
+    res = json.load(open(path))
+    B, S, D = res["shape"]
+    lines = [
+        f"**Norm + modulate accuracy** — {res['gpu']}, torch {res['torch']}, triton {res['triton']}, "
+        f"{S} x {D}, per-sample parameters. Error against the float64 value in ULPs at the scale of the "
+        "modulate's largest term (mean / max), and how many elements differ from eager. high-r2 is the "
+        "shipped high tier (eager's roundings, another summation order); high-r0 rounds once. "
+        f"Source: `{os.path.relpath(path, ROOT)}`.",
+        "",
+        "| reference | dtype | rows | eager vs fp64 | lossless: differ from eager | high-r2 vs fp64 | high-r2: differ "
+        "(max ULP) | high-r0 vs fp64 | high-r0: differ (max ULP) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in res["results"]:
+        v = r["variants"]
+
+        def err(name):
+            return f"{v[name]['vs_fp64_mean_ulp']:.3f} / {v[name]['vs_fp64_max_ulp']:.2f}"
+
+        def differ(name):
+            return f"{v[name]['vs_eager_differ']:,} ({v[name]['vs_eager_max_ulp_at_term_scale']:g})"
+
+        lines.append(f"| {r['reference']} | {r['dtype']} | {r['kind']} | {err('eager')} | "
+                     f"{v['lossless']['vs_eager_differ']:,} | {err('high-r2')} | {differ('high-r2')} | "
+                     f"{err('high-r0')} | {differ('high-r0')} |")
+    return lines
+
+
 def headline(ops_path, ltx2_path):
     """The few figures a reader wants first, from the same JSON as the tables."""
     lines = []
@@ -151,6 +180,8 @@ def render():
     out = headline(ops[0] if ops else None, ltx2[0] if ltx2 else None)
     for path in sorted(glob.glob(os.path.join(RESULTS, "ops-*.json"))):
         out += ops_section(path) + [""]
+    for path in sorted(glob.glob(os.path.join(RESULTS, "norm-accuracy-*.json"))):
+        out += accuracy_section(path) + [""]
     for path in sorted(glob.glob(os.path.join(RESULTS, "ltx2-*.json"))):
         try:
             out += ltx2_section(path) + [""]

@@ -4,7 +4,7 @@
 
 Norm + modulate at 4096 x 6144 bf16 (per-sample and per-token parameters):
 each (rows per program, warps) config of the exact and one-pass kernels, timed
-as bench/ops.py times (bench/timing.py), exact configs checked `torch.equal`
+as bench/ops.py times (bench/timing.py, configs interleaved), exact configs checked `torch.equal`
 to the reference. Then the host cost of a modulate call on tiny tensors, piece
 by piece. Picks nothing: it prints the best configs and writes
 sweep-<gpu>.json, evidence for the defaults in the ops modules.
@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import triton  # noqa: E402
-from timing import copy_ceiling_tbps, device_us, host_us, sets_for  # noqa: E402
+from timing import GraphTimer, copy_ceiling_tbps, host_us, interleaved_us, sets_for  # noqa: E402
 
 import bitfuse.ops.layer_norm_modulate  # noqa: E402,F401
 import bitfuse.ops.modulate  # noqa: E402,F401
@@ -72,25 +72,29 @@ def sweep_norms(ceiling, rows, deadline):
         for name, (plan_of, launch, reference) in norm_ops().items():
             ref = reference(*sets[0])
             for exact, configs in ((True, EXACT_CONFIGS), (False, HIGH_CONFIGS)):
+                if time.monotonic() > deadline:
+                    print("budget spent: stopping the norm sweep")
+                    return
+                timers, ok = {}, {}
                 for config in [None] + configs:
-                    if time.monotonic() > deadline:
-                        print("budget spent: stopping the norm sweep")
-                        return
                     plans = [plan_of(*s, exact) for s in sets]
-                    calls = [lambda p=p: launch(p, exact, config=config) for p in plans]
+                    calls = [lambda p=p, config=config: launch(p, exact, config=config) for p in plans]
                     try:
-                        ok = torch.equal(calls[0](), ref) if exact else None
-                        t = device_us(calls, replays=10)
+                        ok[config] = torch.equal(calls[0](), ref) if exact else None
+                        timers[config] = GraphTimer(calls)
                     except Exception as exc:  # a config that does not compile is a finding
                         print(f"  {name} exact={exact} {config}: {type(exc).__name__}: {str(exc)[:120]}")
-                        continue
+                times = interleaved_us(timers, rounds=4, replays=4)
+                for t in timers.values():
+                    t.close()
+                for config, t in times.items():
                     pct = 100 * moved / (t * 1e-6) / 1e12 / ceiling
                     rows.append(dict(op=name, params="per-token" if per_token else "per-sample", exact=exact,
                                      config=config or "default", us=round(t, 2), pct_ceiling=round(pct, 1),
-                                     equal_to_reference=ok))
+                                     equal_to_reference=ok[config]))
                     print(f"  {name:20s} {'per-token' if per_token else 'per-sample':10s} "
                           f"{'exact' if exact else 'high':5s} {str(config or 'default'):9s} {t:6.1f} us {pct:5.1f}%"
-                          + ("" if ok is None else f" equal={ok}"))
+                          + ("" if ok[config] is None else f" equal={ok[config]}"))
         del sets
         torch.cuda.empty_cache()
 
