@@ -63,6 +63,7 @@ from .rms_norm_modulate import (
     _check_operands,
     _dummy_stats,
     _modulate_tail,
+    _program_rows,
     _row_kernel,
     _rsqrt,
     high_launch_shape,
@@ -162,10 +163,10 @@ def _halves(v, R: tl.constexpr, G: tl.constexpr, H: tl.constexpr):
     return lo, hi
 
 
-@_row_kernel("n_rows", "S", "write_stats")
+@_row_kernel("S", "write_stats")
 def _layer_norm_modulate_exact_kernel(
     x_ptr, scale_ptr, shift_ptr, out_ptr, stats_ptr,
-    n_rows, S, write_stats,
+    S, write_stats,
     x_sb, x_ss,
     c_sb, c_ss, c_sd,
     h_sb, h_ss, h_sd,
@@ -182,11 +183,7 @@ def _layer_norm_modulate_exact_kernel(
     L: tl.constexpr = 128
     NV: tl.constexpr = D // 4
     NJ: tl.constexpr = (NV + L - 1) // L
-    rows = tl.program_id(0) * R + tl.arange(0, R)
-    r64 = rows.to(tl.int64)
-    b = r64 // S
-    s = r64 - b * S
-    rmask = rows < n_rows
+    b, s, r64, rmask = _program_rows(S, R)
     lane = tl.arange(0, L)
     within = (lane * 4)[:, None] + tl.arange(0, 4)[None, :]
     x_row = b * x_sb + s * x_ss
@@ -273,10 +270,10 @@ def _layer_norm_modulate_exact_kernel(
             tl.store(out_ptr + (o_base + col), (p + shift).to(dtype), mask=m)
 
 
-@_row_kernel("n_rows", "S")
+@_row_kernel("S")
 def _layer_norm_modulate_high_kernel(
     x_ptr, scale_ptr, shift_ptr, out_ptr,
-    n_rows, S, D,
+    S, D,
     x_sb, x_ss,
     c_sb, c_ss, c_sd,
     h_sb, h_ss, h_sd,
@@ -285,12 +282,9 @@ def _layer_norm_modulate_high_kernel(
     R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    rows = tl.program_id(0) * R + tl.arange(0, R)
-    r64 = rows.to(tl.int64)
-    b = r64 // S
-    s = r64 - b * S
+    b, s, r64, rmask = _program_rows(S, R)
     cols = tl.arange(0, BLOCK_D)
-    m = (rows < n_rows)[:, None] & (cols < D)[None, :]
+    m = rmask[:, None] & (cols < D)[None, :]
     x = tl.load(
         x_ptr + ((b * x_sb + s * x_ss)[:, None] + cols[None, :]), mask=m, other=0.0,
         eviction_policy="evict_first",
@@ -365,7 +359,6 @@ def launch_layer_norm_modulate(plan, exact: bool = True, config=None, out=None, 
     x, r = plan.x, plan.rows
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    n_rows = r.B * r.S
     tensors = (x, plan.scale, plan.shift, out)
     if exact:
         if config:
@@ -373,8 +366,8 @@ def launch_layer_norm_modulate(plan, exact: bool = True, config=None, out=None, 
         else:
             (R, num_warps), pass2 = exact_launch_shape(plan, x.element_size()), PASS2
         _launch_exact(
-            (cdiv(n_rows, R), 1), tensors + (_dummy_stats(x) if stats is None else stats,),
-            (n_rows, r.S, int(stats is not None), r.sb, r.ss, *plan.c_strides, *plan.h_strides,
+            (cdiv(r.S, R), r.B), tensors + (_dummy_stats(x) if stats is None else stats,),
+            (r.S, int(stats is not None), r.sb, r.ss, *plan.c_strides, *plan.h_strides,
              plan.eps, float(r.D)),
             dict(D=r.D, WELFORD_FMA=WELFORD_FMA, MEAN_V=MEAN_V, SIG_FMA=SIG_FMA,
                  PASS2=pass2, BLOCK_D=triton.next_power_of_2(r.D), RSQRT_ASM=RSQRT_ASM and not INTERPRET, R=R),
@@ -382,10 +375,10 @@ def launch_layer_norm_modulate(plan, exact: bool = True, config=None, out=None, 
         )
     else:
         block_d = triton.next_power_of_2(r.D)
-        R, num_warps = config or high_launch_shape(block_d, n_rows, x.element_size())
+        R, num_warps = config or high_launch_shape(block_d, r.S, x.element_size())
         _launch_high(
-            (cdiv(n_rows, R), 1), tensors,
-            (n_rows, r.S, r.D, r.sb, r.ss, *plan.c_strides, *plan.h_strides, plan.eps, 1.0 / r.D),
+            (cdiv(r.S, R), r.B), tensors,
+            (r.S, r.D, r.sb, r.ss, *plan.c_strides, *plan.h_strides, plan.eps, 1.0 / r.D),
             dict(ROUNDING=HIGH_ROUNDING, R=R, BLOCK_D=block_d),
             dict(num_warps=num_warps),
         )

@@ -140,10 +140,21 @@ def _rsqrt(x, ASM: tl.constexpr):
         return tl.math.rsqrt(x)
 
 
-@_row_kernel("n_rows", "S", "write_stats")
+@jit
+def _program_rows(S, R: tl.constexpr):
+    """This program's rows: sample b (grid axis 1), positions s in it (axis 0), the flat
+    row index b * S + s and the row mask. A flat grid would divide by S before the
+    first load (an integer division's latency in every program)."""
+    s32 = tl.program_id(0) * R + tl.arange(0, R)
+    b = tl.program_id(1).to(tl.int64)
+    s = s32.to(tl.int64)
+    return b, s, b * S + s, s32 < S
+
+
+@_row_kernel("S", "write_stats")
 def _rms_norm_modulate_exact_kernel(
     x_ptr, scale_ptr, shift_ptr, out_ptr, stats_ptr, scale_table_ptr, shift_table_ptr,
-    n_rows, S, write_stats,
+    S, write_stats,
     x_sb, x_ss,
     c_sb, c_ss, c_sd,
     h_sb, h_ss, h_sd,
@@ -165,11 +176,7 @@ def _rms_norm_modulate_exact_kernel(
     NV: tl.constexpr = D // 4
     NJ: tl.constexpr = (NV + LANES - 1) // LANES
     CH: tl.constexpr = 4 * LANES
-    rows = tl.program_id(0) * R + tl.arange(0, R)
-    r64 = rows.to(tl.int64)
-    b = r64 // S
-    s = r64 - b * S
-    rmask = rows < n_rows
+    b, s, r64, rmask = _program_rows(S, R)
     lane = tl.arange(0, LANES)
     within = (lane * 4)[:, None] + tl.arange(0, 4)[None, :]  # [LANES, 4]
     x_row = b * x_sb + s * x_ss
@@ -278,10 +285,10 @@ def _rms_norm_modulate_exact_kernel(
                 tl.store(out_ptr + (o_base + col), n, mask=m)
 
 
-@_row_kernel("n_rows", "S")
+@_row_kernel("S")
 def _rms_norm_modulate_high_kernel(
     x_ptr, scale_ptr, shift_ptr, out_ptr, scale_table_ptr, shift_table_ptr,
-    n_rows, S, D,
+    S, D,
     x_sb, x_ss,
     c_sb, c_ss, c_sd,
     h_sb, h_ss, h_sd,
@@ -293,12 +300,9 @@ def _rms_norm_modulate_high_kernel(
     SCALE_TABLE: tl.constexpr = False,
     SHIFT_TABLE: tl.constexpr = False,
 ):
-    rows = tl.program_id(0) * R + tl.arange(0, R)
-    r64 = rows.to(tl.int64)
-    b = r64 // S
-    s = r64 - b * S
+    b, s, r64, rmask = _program_rows(S, R)
     cols = tl.arange(0, BLOCK_D)
-    m = (rows < n_rows)[:, None] & (cols < D)[None, :]
+    m = rmask[:, None] & (cols < D)[None, :]
     x = tl.load(
         x_ptr + ((b * x_sb + s * x_ss)[:, None] + cols[None, :]), mask=m, other=0.0,
         eviction_policy="evict_first",
@@ -514,7 +518,6 @@ def launch_rms_norm_modulate(plan, exact: bool = True, config=None, out=None, st
         raise ValueError("a norm-only plan (plan_rms_norm) runs the exact kernel")
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    n_rows = r.B * r.S
     tensors = (x, plan.scale, plan.shift, out)
     ct, ht = plan.scale_table, plan.shift_table
     tables = (plan.scale if ct is None else ct, plan.shift if ht is None else ht)
@@ -527,8 +530,8 @@ def launch_rms_norm_modulate(plan, exact: bool = True, config=None, out=None, st
             (R, num_warps), pass2 = exact_launch_shape(plan, x.element_size()), PASS2
         lanes = plan.lanes
         _launch_exact(
-            (cdiv(n_rows, R), 1), tensors + (_dummy_stats(x) if stats is None else stats,) + tables,
-            (n_rows, r.S, int(stats is not None), r.sb, r.ss, *plan.c_strides, *plan.h_strides, *table_strides,
+            (cdiv(r.S, R), r.B), tensors + (_dummy_stats(x) if stats is None else stats,) + tables,
+            (r.S, int(stats is not None), r.sb, r.ss, *plan.c_strides, *plan.h_strides, *table_strides,
              plan.eps, plan.factor, float(r.D)),
             dict(D=r.D, REF=0 if plan.reference == "diffusers" else 1,
                  LANES=lanes, XSTEPS=max(lanes.bit_length() - 1 - 5, 0),
@@ -538,25 +541,25 @@ def launch_rms_norm_modulate(plan, exact: bool = True, config=None, out=None, st
         )
     else:
         block_d = triton.next_power_of_2(r.D)
-        R, num_warps = config or high_launch_shape(block_d, n_rows, x.element_size())
+        R, num_warps = config or high_launch_shape(block_d, r.S, x.element_size())
         _launch_high(
-            (cdiv(n_rows, R), 1), tensors + tables,
-            (n_rows, r.S, r.D, r.sb, r.ss, *plan.c_strides, *plan.h_strides, *table_strides, plan.eps, 1.0 / r.D),
+            (cdiv(r.S, R), r.B), tensors + tables,
+            (r.S, r.D, r.sb, r.ss, *plan.c_strides, *plan.h_strides, *table_strides, plan.eps, 1.0 / r.D),
             dict(ROUNDING=HIGH_ROUNDING, R=R, BLOCK_D=block_d, **folded),
             dict(num_warps=num_warps),
         )
     return out
 
 
-def high_launch_shape(block_d: int, n_rows: int, elem_bytes: int) -> tuple[int, int]:
+def high_launch_shape(block_d: int, S: int, elem_bytes: int) -> tuple[int, int]:
     """(R, num_warps) for the one-pass kernels. 16-bit rows of 2048, 4096 or 8192
     padded columns: one row on 4, 8 or 4 warps (H200, 6144 rows, per-sample, timed
     interleaved: D = 2048 13.95 us against 14.59 for two rows on 4 warps; D = 4096
     28.24 against 28.48 for 4 warps; D = 5120 35.83 against 37.94 for 8 warps).
-    Otherwise about 8 KiB of x a program."""
+    Otherwise about 8 KiB of x a program, at most the S rows of a sample."""
     if elem_bytes == 2 and block_d in _HIGH_WARPS:
         return 1, _HIGH_WARPS[block_d]
-    R = max(1, min(8192 // (block_d * elem_bytes), triton.next_power_of_2(n_rows)))
+    R = max(1, min(8192 // (block_d * elem_bytes), triton.next_power_of_2(S)))
     num_warps = max(1, min(8, R * block_d * elem_bytes // 2048))
     return R, num_warps
 
