@@ -341,7 +341,8 @@ def _plan(x, scale, shift, eps, exact, cpu_ok=False):
 def exact_launch_shape(plan, elem_bytes: int) -> tuple[int, int]:
     """(R, num_warps) for the exact kernel (the reduction order does not depend on
     them). Measured on the H200 at 6144 rows of bf16, timed interleaved: D = 4096
-    per-sample two rows on 4 warps (32.0 us against 33.2 for one row on 2), per-token
+    per-sample two rows on 4 warps (32.0 us against 33.2 for one row on 2 on three
+    machines; 34.8 against 30.4 on a fourth: see bench/NOTES.md), per-token
     two rows on 8 (49.9 against 51.9 for one on 4); D = 3072 one row on 4 (25.0
     against 26.4); D = 2048 and 5120 one row on 2. Elsewhere one row on 2 warps,
     4 with per-token parameters."""
