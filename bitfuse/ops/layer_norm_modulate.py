@@ -40,6 +40,7 @@ wide row tiles (PASS2 = 2). When every thread holds the same number of vectors
 (D % 512 == 0), the tree's counts are compile-time constants: the same values
 without the divisions, count shuffles and tests (a quarter of the kernel's
 instructions; timings in bench/results/ops-*.json).
+Both kernels write their output with streaming stores, as rms_norm_modulate's.
 
 HIGH MODE: one pass, x read once, mean and variance in fp32 from registers
 (two-pass over the registers, no Welford), then eager's modulate roundings
@@ -253,7 +254,7 @@ def _layer_norm_modulate_exact_kernel(
         shift = tl.load(shift_ptr + (h_row[:, None] + cols[None, :] * h_sd), mask=m2, other=0.0).to(tl.float32)
         t = (1.0 + scale).to(dtype).to(tl.float32)
         p = (n * t).to(dtype).to(tl.float32)
-        tl.store(out_ptr + (o_row[:, None] + cols[None, :]), (p + shift).to(dtype), mask=m2)
+        tl.store(out_ptr + (o_row[:, None] + cols[None, :]), (p + shift).to(dtype), mask=m2, cache_modifier=".cs")
     else:
         for j in tl.static_range(NJ):
             col = (j * 4 * L + within)[None, :, :]
@@ -267,7 +268,7 @@ def _layer_norm_modulate_exact_kernel(
             shift = tl.load(shift_ptr + (h_base + col * h_sd), mask=m, other=0.0).to(tl.float32)
             t = (1.0 + scale).to(dtype).to(tl.float32)
             p = (n * t).to(dtype).to(tl.float32)
-            tl.store(out_ptr + (o_base + col), (p + shift).to(dtype), mask=m)
+            tl.store(out_ptr + (o_base + col), (p + shift).to(dtype), mask=m, cache_modifier=".cs")
 
 
 @_row_kernel("S")
@@ -295,7 +296,7 @@ def _layer_norm_modulate_high_kernel(
     scale = tl.load(scale_ptr + ((b * c_sb + s * c_ss)[:, None] + cols[None, :] * c_sd), mask=m, other=0.0)
     shift = tl.load(shift_ptr + ((b * h_sb + s * h_ss)[:, None] + cols[None, :] * h_sd), mask=m, other=0.0)
     y = _modulate_tail(xc * rstd[:, None], scale, shift, out_ptr.dtype.element_ty, ROUNDING)
-    tl.store(out_ptr + ((r64 * D)[:, None] + cols[None, :]), y, mask=m)
+    tl.store(out_ptr + ((r64 * D)[:, None] + cols[None, :]), y, mask=m, cache_modifier=".cs")
 
 
 _launch_exact = FastLaunch(_layer_norm_modulate_exact_kernel)
@@ -341,16 +342,16 @@ def _plan(x, scale, shift, eps, exact, cpu_ok=False):
 def exact_launch_shape(plan, elem_bytes: int) -> tuple[int, int]:
     """(R, num_warps) for the exact kernel (the reduction order does not depend on
     them). Measured on the H200 at 6144 rows of bf16, timed interleaved: D = 4096
-    per-sample two rows on 4 warps (32.0 us against 33.2 for one row on 2 on three
-    machines; 34.8 against 30.4 on a fourth: see bench/NOTES.md), per-token
-    two rows on 8 (49.9 against 51.9 for one on 4); D = 3072 one row on 4 (25.0
-    against 26.4); D = 2048 and 5120 one row on 2. Elsewhere one row on 2 warps,
-    4 with per-token parameters."""
+    per-sample one row on 2 warps (29.8-30.5 us; two rows on 4 warps took 31.7-32.0
+    on some machines and 34.6-35.1 or 45.6 on others: see bench/NOTES.md),
+    per-token two rows on 8 (48.7-49.5 against 49.6-50.2 for one on 4); D = 3072
+    one row on 4 (25.0 against 26.4). Elsewhere one row on 2 warps, 4 with
+    per-token parameters."""
     per_token = plan.c_strides[1] != 0 or plan.h_strides[1] != 0
     return _EXACT_SHAPES.get((plan.rows.D, per_token), (1, 4 if per_token else 2))
 
 
-_EXACT_SHAPES = {(4096, False): (2, 4), (4096, True): (2, 8), (3072, False): (1, 4)}
+_EXACT_SHAPES = {(4096, True): (2, 8), (3072, False): (1, 4)}
 
 
 def launch_layer_norm_modulate(plan, exact: bool = True, config=None, out=None, stats=None) -> torch.Tensor:
@@ -381,7 +382,7 @@ def launch_layer_norm_modulate(plan, exact: bool = True, config=None, out=None, 
             (cdiv(r.S, R), r.B), tensors,
             (r.S, r.D, r.sb, r.ss, *plan.c_strides, *plan.h_strides, plan.eps, 1.0 / r.D),
             dict(ROUNDING=HIGH_ROUNDING, R=R, BLOCK_D=block_d),
-            dict(num_warps=num_warps),
+            dict(num_warps=num_warps, enable_fp_fusion=False),  # see rms_norm_modulate._modulate_tail
         )
     return out
 

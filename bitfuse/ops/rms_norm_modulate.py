@@ -58,6 +58,11 @@ blocks of (32, 4) threads, one row a block):
   Falls back when D % 4 != 0, a contiguous x is not 4-element aligned (aten
   then takes RowwiseMomentsCUDAKernel: another order), D > MAX_D, torch < 2.9.
 
+Every kernel here writes its output with streaming stores (`.cs`: the line is
+the first to leave L2): 6144 x 4096 bf16 per-sample on the H200, interleaved with
+the same kernel storing plainly, one-pass 26.6 us against 28.2, exact 0.4-1%
+faster. (The pointwise ops measured level either way and keep plain stores.)
+
 Exact kernels: pass 1 reads x in the reference's thread order (D is a
 compile-time constant, the row is unrolled); pass 2 is elementwise and re-reads
 x as wide row tiles (PASS2 = 2; it hits L2), which measured 31.6 us against
@@ -259,7 +264,7 @@ def _rms_norm_modulate_exact_kernel(
                            col_ok, SHIFT_TABLE, dtype, False)
             t = (1.0 + scale).to(dtype).to(tl.float32)
             p = (n * t).to(dtype).to(tl.float32)
-            tl.store(out_ptr + (o_row[:, None] + cols[None, :]), (p + shift).to(dtype), mask=m2)
+            tl.store(out_ptr + (o_row[:, None] + cols[None, :]), (p + shift).to(dtype), mask=m2, cache_modifier=".cs")
         else:
             tl.store(out_ptr + (o_row[:, None] + cols[None, :]), n, mask=m2)
     else:
@@ -280,7 +285,7 @@ def _rms_norm_modulate_exact_kernel(
                                SHIFT_TABLE, dtype, False)
                 t = (1.0 + scale).to(dtype).to(tl.float32)
                 p = (n * t).to(dtype).to(tl.float32)
-                tl.store(out_ptr + (o_base + col), (p + shift).to(dtype), mask=m)
+                tl.store(out_ptr + (o_base + col), (p + shift).to(dtype), mask=m, cache_modifier=".cs")
             else:
                 tl.store(out_ptr + (o_base + col), n, mask=m)
 
@@ -315,13 +320,17 @@ def _rms_norm_modulate_high_kernel(
     shift = _param(shift_ptr, (b * h_sb + s * h_ss)[:, None] + cols[None, :] * h_sd, m, shift_table_ptr,
                    cols * ht_sd, col_ok, SHIFT_TABLE, dtype, False)
     y = _modulate_tail(x * r[:, None], scale, shift, dtype, ROUNDING)
-    tl.store(out_ptr + ((r64 * D)[:, None] + cols[None, :]), y, mask=m)
+    tl.store(out_ptr + ((r64 * D)[:, None] + cols[None, :]), y, mask=m, cache_modifier=".cs")
 
 
 @jit
 def _modulate_tail(n, scale, shift, dtype: tl.constexpr, ROUNDING: tl.constexpr):
-    """n * (1 + scale) + shift for the one-pass kernels (launched with FMA
-    contraction on). ROUNDING 0: fp32 throughout, one rounding at the end.
+    """n * (1 + scale) + shift for the one-pass kernels. They launch with FMA
+    contraction off: LLVM narrows a product or sum of two rounded operands that is
+    rounded again to one bf16/fp16 instruction (exact: fp32 holds twice their
+    precision), and with contraction on it fuses the narrowed n * t and + shift
+    into one half-precision FMA, dropping a rounding (29% of elements changed on
+    the H200; the interpreter does not narrow). ROUNDING 0: fp32 throughout, one rounding at the end.
     1: eager's roundings of the norm's output n and of 1 + scale, then one FMA
     (within one ULP of eager at the scale of the terms; 0 is not, see module doc).
     2: all of eager's roundings (only the reduction order differs from eager)."""
@@ -485,15 +494,15 @@ def _plan(x, scale, shift, eps, reference, exact, cpu_ok=False):
 
 def exact_launch_shape(plan, elem_bytes: int) -> tuple[int, int]:
     """(R, num_warps) for the exact kernel: rows per program and warps (the reduction
-    order does not depend on them). Measured on the H200 at 6144 x 4096 bf16
-    (bench/sweep_configs.py, bench/results/sweep-nvidia-h200.json): diffusers (2, 4)
-    29.9 us per-sample against 33.4 for (2, 2), and (4, 8) 49.9 us per-token against
-    60.4 (the second pass then streams two more full tensors); aten (2, 8) 28.4 us."""
+    order does not depend on them). Measured on the H200 at 6144 x 4096 bf16, timed
+    interleaved: diffusers per-sample (2, 4) 29.4 us against 31.1 for (1, 2) and
+    33.4 for (2, 2); per-token (1, 2) 50.1-50.9 us against 50.5-51.2 for (2, 8) and
+    52.0-52.8 for (4, 8) (two runs, bench/NOTES.md); aten (2, 8) 28.4 us."""
     if plan.reference == "aten":
         return 2, 8
     if plan.lanes == 32:
         per_token = plan.c_strides[1] != 0 or plan.h_strides[1] != 0
-        return (4, 8) if per_token else (2, 4)
+        return (1, 2) if per_token else (2, 4)
     return 1, min(plan.lanes // 32, 8)  # few rows: wide blocks
 
 
@@ -546,7 +555,7 @@ def launch_rms_norm_modulate(plan, exact: bool = True, config=None, out=None, st
             (cdiv(r.S, R), r.B), tensors + tables,
             (r.S, r.D, r.sb, r.ss, *plan.c_strides, *plan.h_strides, *table_strides, plan.eps, 1.0 / r.D),
             dict(ROUNDING=HIGH_ROUNDING, R=R, BLOCK_D=block_d, **folded),
-            dict(num_warps=num_warps),
+            dict(num_warps=num_warps, enable_fp_fusion=False),  # see _modulate_tail
         )
     return out
 
