@@ -9,7 +9,10 @@ over the bytes the op must move (each input read once, the output written
 once), that as a percentage of the copy ceiling measured the same way, and
 whether its output is `torch.equal` to eager's. bitfuse is called through its
 sites, as a model calls them. Host cost per call (guard, gate, launch) is
-measured separately on tiny tensors. Writes ops-<gpu>.json and a PNG.
+measured separately on tiny tensors. Each row also keeps its median per
+interleaved round (`rounds_us`), so two variants can be compared round by round
+(bench/report.py does, for bitfuse against compile + emulate). Writes
+ops-<gpu>.json and a PNG.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import datetime
 import json
 import os
 import re
+import statistics
 import sys
 
 import torch
@@ -27,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import triton  # noqa: E402
-from timing import GraphTimer, copy_ceiling_tbps, host_us, interleaved_us, sets_for  # noqa: E402
+from timing import GraphTimer, copy_ceiling_tbps, host_us, interleaved_samples, sets_for  # noqa: E402
 
 import bitfuse.ops.modulate  # noqa: E402,F401
 import bitfuse.ops.rotary  # noqa: E402,F401
@@ -137,8 +141,9 @@ def measure(variants, call, sets, compare):
                 timers[name] = GraphTimer([call(name, bufs) for bufs in sets])
         except Exception as exc:  # record and go on: one broken variant must not hide the rest
             results[name] = dict(error=f"{type(exc).__name__}: {exc}"[:300])
-    for name, t in interleaved_us(timers).items():
-        results[name]["us"] = t
+    for name, per_round in interleaved_samples(timers).items():
+        results[name]["us"] = statistics.median(v for r in per_round for v in r)
+        results[name]["rounds_us"] = [round(statistics.median(r), 3) for r in per_round]
     for t in timers.values():
         t.close()
     return results
@@ -153,7 +158,7 @@ def record(row, r, moved, ceiling):
     tbps = moved / (t * 1e-6) / 1e12
     row.update(us=round(t, 2), tbps=round(tbps, 3), pct_ceiling=round(100 * tbps / ceiling, 1),
                floor_us=round(moved / (ceiling * 1e12) * 1e6, 2), exact=r["exact"], max_ulp=r["max_ulp"],
-               mismatches=r["mismatches"])
+               mismatches=r["mismatches"], rounds_us=r["rounds_us"])
     print(f"  {row['op']:28s} D={row['D']:5d} S={row['S']:6d} {row['params']:11s} {row['variant']:18s} "
           f"{t:8.1f} us {row['pct_ceiling']:5.1f}% exact={row['exact']}")
     return row

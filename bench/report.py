@@ -12,6 +12,9 @@ import json
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import paired_rounds  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
 README = os.path.join(ROOT, "README.md")
@@ -56,7 +59,33 @@ def ops_section(path):
             cells.append(_cell(next((r for r in rows if (r["op"], r["D"], r["S"], r["params"]) == k
                                      and r["variant"] == v), None)))
         lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | " + " | ".join(cells) + " |")
+    lines += against_compile(rows)
     return lines
+
+
+def against_compile(rows, ops=("modulate", "gated_residual")):
+    """The pointwise ops' lossless path against compile + emulate, round by round."""
+    pairs = []
+    for r in rows:
+        if r["op"] in ops and r["variant"] == "bitfuse lossless" and "rounds_us" in r:
+            c = next((c for c in rows if c["variant"] == "compile+emulate" and "rounds_us" in c
+                      and all(c[k] == r[k] for k in ("op", "D", "S", "params"))), None)
+            if c is not None:
+                pairs.append((r, c, paired_rounds(r["rounds_us"], c["rounds_us"])))
+    if not pairs:
+        return []
+    slower = [(r, c, p) for r, c, p in pairs if r["us"] > c["us"]]
+    every = [(r, p) for r, c, p in pairs if p["rounds_slower"] == p["rounds"]]
+    worst = max((r["us"] - c["us"] for r, c, _ in slower), default=0.0)
+    n_rounds = pairs[0][2]["rounds"]
+    text = (f"Pointwise ops against compile + emulate_precision_casts, {len(pairs)} shapes: bitfuse's median "
+            f"is slower at {len(slower)}" + (f", by at most {worst:.2f} µs" if slower else "") +
+            f"; slower in every one of the {n_rounds} interleaved rounds (one-sided sign test, "
+            f"p = 2^-{n_rounds}) at {len(every)}")
+    if every:
+        text += " (" + "; ".join(f"{r['op']} {r['D']}×{r['S']} {r['params']}, median {p['median_diff_us']:+.2f} µs"
+                                 for r, p in every) + ")"
+    return ["", text + "."]
 
 
 def ltx2_section(path):

@@ -79,12 +79,30 @@ def device_us(calls, per_graph: int | None = None, replays: int = 30) -> float:
 def interleaved_us(timers: dict, rounds: int = 6, replays: int = 5) -> dict:
     """Median microseconds per call of each named GraphTimer, sampled in `rounds`
     rounds of `replays` replays each, the order rotated every round."""
+    return {n: statistics.median(v for r in per_round for v in r)
+            for n, per_round in interleaved_samples(timers, rounds, replays).items()}
+
+
+def interleaved_samples(timers: dict, rounds: int = 6, replays: int = 5) -> dict:
+    """{name: [the `replays` samples of round 0, of round 1, ...]}: every variant
+    sampled once a round, the order rotated every round, so two variants can be
+    compared round by round (`paired_rounds`)."""
     names = list(timers)
     samples = {n: [] for n in names}
     for r in range(rounds):
         for n in names[r % len(names):] + names[:r % len(names)]:
-            samples[n] += timers[n].sample(replays)
-    return {n: statistics.median(v) for n, v in samples.items()}
+            samples[n].append(timers[n].sample(replays))
+    return samples
+
+
+def paired_rounds(a: list, b: list) -> dict:
+    """Round-by-round comparison of two variants' per-round medians (`a`, `b`: one
+    value a round, from the same interleaved run): the median difference a - b,
+    and in how many rounds a was slower. "slower in every round" has probability
+    2**-rounds if neither is faster (one-sided sign test)."""
+    diffs = [x - y for x, y in zip(a, b)]
+    return dict(median_diff_us=round(statistics.median(diffs), 3), rounds=len(diffs),
+                rounds_slower=sum(d > 0 for d in diffs))
 
 
 def host_us(fn, n: int = 2000, repeats: int = 5) -> float:

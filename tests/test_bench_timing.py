@@ -1,11 +1,12 @@
 """The benchmark's interleaved timing, on fake timers (no GPU needed)."""
 
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
-from timing import interleaved_us  # noqa: E402
+from timing import interleaved_samples, interleaved_us, paired_rounds  # noqa: E402
 
 
 class FakeTimer:
@@ -23,3 +24,26 @@ def test_rounds_rotate_the_order_and_every_variant_gets_the_same_samples():
     medians = interleaved_us(timers, rounds=3, replays=2)
     assert log == list("abc" "bca" "cab")  # each variant first once
     assert medians == {"a": 2.5, "b": 102.5, "c": 202.5}  # median of its own six samples
+
+
+def test_samples_per_round_and_the_paired_comparison():
+    log = []
+    timers = {"a": FakeTimer("a", log, [5, 6, 5, 7, 9, 9]), "b": FakeTimer("b", log, [4, 4, 8, 8, 6, 6])}
+    samples = interleaved_samples(timers, rounds=3, replays=2)
+    assert samples == {"a": [[5, 6], [5, 7], [9, 9]], "b": [[4, 4], [8, 8], [6, 6]]}
+    per_round = {n: [statistics.median(r) for r in v] for n, v in samples.items()}
+    assert paired_rounds(per_round["a"], per_round["b"]) == dict(median_diff_us=1.5, rounds=3, rounds_slower=2)
+
+
+def test_report_counts_shapes_slower_in_every_round():
+    import report
+
+    def row(op, variant, us, rounds):
+        return dict(op=op, D=2048, S=1024, params="per-sample", variant=variant, us=us, rounds_us=rounds)
+
+    rows = [row("modulate", "bitfuse lossless", 3.5, [3.5, 3.6, 3.4]), row("modulate", "compile+emulate", 3.4, [3.4, 3.5, 3.5]),
+            row("gated_residual", "bitfuse lossless", 4.7, [4.7, 4.8, 4.7]),
+            row("gated_residual", "compile+emulate", 4.6, [4.6, 4.6, 4.6])]
+    (text,) = [line for line in report.against_compile(rows) if line]
+    assert "2 shapes" in text and "slower at 2, by at most 0.10 µs" in text
+    assert "p = 2^-3) at 1 (gated_residual 2048×1024 per-sample, median +0.10 µs)" in text
