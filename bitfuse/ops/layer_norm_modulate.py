@@ -57,7 +57,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._pointwise import INTERPRET, FastLaunch, cdiv, jit, layout_class, tl, triton
+from ._pointwise import INTERPRET, FastLaunch, cdiv, jit, layout_class, next_pow2, tl
 from .modulate import modulate_reference
 from .rms_norm_modulate import (
     MAX_D,
@@ -372,11 +372,11 @@ def launch_layer_norm_modulate(plan, exact: bool = True, config=None, out=None, 
             (r.S, int(stats is not None), r.sb, r.ss, *plan.c_strides, *plan.h_strides,
              plan.eps, float(r.D)),
             dict(D=r.D, WELFORD_FMA=WELFORD_FMA, MEAN_V=MEAN_V, SIG_FMA=SIG_FMA,
-                 PASS2=pass2, BLOCK_D=triton.next_power_of_2(r.D), RSQRT_ASM=RSQRT_ASM and not INTERPRET, R=R),
+                 PASS2=pass2, BLOCK_D=next_pow2(r.D), RSQRT_ASM=RSQRT_ASM and not INTERPRET, R=R),
             dict(num_warps=num_warps, enable_fp_fusion=False),
         )
     else:
-        block_d = triton.next_power_of_2(r.D)
+        block_d = next_pow2(r.D)
         R, num_warps = config or high_launch_shape(block_d, r.S, x.element_size())
         _launch_high(
             (cdiv(r.S, R), r.B), tensors,

@@ -103,6 +103,7 @@ from ._pointwise import (
     common_device_dtype,
     jit,
     layout_class,
+    next_pow2,
     rows_of,
     tables_of,
     tl,
@@ -544,12 +545,12 @@ def launch_rms_norm_modulate(plan, exact: bool = True, config=None, out=None, st
              plan.eps, plan.factor, float(r.D)),
             dict(D=r.D, REF=0 if plan.reference == "diffusers" else 1,
                  LANES=lanes, XSTEPS=max(lanes.bit_length() - 1 - 5, 0),
-                 WARP_INC=WARP_INC, PASS2=pass2, BLOCK_D=triton.next_power_of_2(r.D),
+                 WARP_INC=WARP_INC, PASS2=pass2, BLOCK_D=next_pow2(r.D),
                  RSQRT_ASM=RSQRT_ASM and not INTERPRET, R=R, MODULATE=plan.modulate, **folded),
             dict(num_warps=num_warps, enable_fp_fusion=False),
         )
     else:
-        block_d = triton.next_power_of_2(r.D)
+        block_d = next_pow2(r.D)
         R, num_warps = config or high_launch_shape(block_d, r.S, x.element_size())
         _launch_high(
             (cdiv(r.S, R), r.B), tensors + tables,
@@ -568,7 +569,7 @@ def high_launch_shape(block_d: int, S: int, elem_bytes: int) -> tuple[int, int]:
     Otherwise about 8 KiB of x a program, at most the S rows of a sample."""
     if elem_bytes == 2 and block_d in _HIGH_WARPS:
         return 1, _HIGH_WARPS[block_d]
-    R = max(1, min(8192 // (block_d * elem_bytes), triton.next_power_of_2(S)))
+    R = max(1, min(8192 // (block_d * elem_bytes), next_pow2(S)))
     num_warps = max(1, min(8, R * block_d * elem_bytes // 2048))
     return R, num_warps
 

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._pointwise import HAS_TRITON, FastLaunch, cdiv, common_device_dtype, jit, needs_int64, tl, triton
+from ._pointwise import HAS_TRITON, FastLaunch, cdiv, common_device_dtype, jit, needs_int64, next_pow2, tl
 
 ROPE_TYPES = ("interleaved", "split")
 
@@ -286,7 +286,7 @@ def _block(n: int, limit: int) -> int:
     while block > 64 and n % block:
         block //= 2
     if n % block:
-        block = min(triton.next_power_of_2(n), limit)
+        block = min(next_pow2(n), limit)
     return block
 
 
