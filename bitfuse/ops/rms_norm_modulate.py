@@ -81,8 +81,7 @@ D = 4096, H200), where the result moves by up to 2 ULP at the scale of the
 modulate's terms. So it does NOT meet the gate's one-ULP criterion everywhere,
 and no one-pass kernel can: any other summation order flips some roundings of n.
 One rounding at the end (HIGH_ROUNDING = 0) is 2-3 ULP off on about 1% of
-elements. Timing (6144 x 4096 bf16): high 28.2 us, exact 31.6 (diffusers) and
-28.4 (aten). bench/explore_norm.py measures all of this.
+elements (bench/norm_accuracy.py measures all of this). Timings: bench/results/ops-*.json.
 """
 
 from __future__ import annotations
