@@ -40,7 +40,7 @@ wide row tiles (PASS2 = 2). When every thread holds the same number of vectors
 (D % 512 == 0), the tree's counts are compile-time constants: the same values
 without the divisions, count shuffles and tests (a quarter of the kernel's
 instructions; timings in bench/results/ops-*.json).
-Both kernels write their output with streaming stores, as rms_norm_modulate's.
+Both kernels write their output with streaming stores, as rms_norm_modulate's do.
 
 HIGH MODE: one pass, x read once, mean and variance in fp32 from registers
 (two-pass over the registers, no Welford), then eager's modulate roundings

@@ -58,8 +58,9 @@ blocks of (32, 4) threads, one row a block):
   Falls back when D % 4 != 0, a contiguous x is not 4-element aligned (aten
   then takes RowwiseMomentsCUDAKernel: another order), D > MAX_D, torch < 2.9.
 
-Every kernel here writes its output with streaming stores (`.cs`: the line is
-the first to leave L2): 6144 x 4096 bf16 per-sample on the H200, interleaved with
+The kernels write the modulated output with streaming stores (`.cs`: the line
+is the first to leave L2; the norm-only output, read again by two modulates,
+keeps plain stores): 6144 x 4096 bf16 per-sample on the H200, interleaved with
 the same kernel storing plainly, one-pass 26.6 us against 28.2, exact 0.4-1%
 faster. (The pointwise ops measured level either way and keep plain stores.)
 
@@ -332,7 +333,7 @@ def _modulate_tail(n, scale, shift, dtype: tl.constexpr, ROUNDING: tl.constexpr)
     into one half-precision FMA, dropping a rounding (29% of elements changed on
     the H200; the interpreter does not narrow). ROUNDING 0: fp32 throughout, one rounding at the end.
     1: eager's roundings of the norm's output n and of 1 + scale, then one FMA
-    (within one ULP of eager at the scale of the terms; 0 is not, see module doc).
+    (2-3 ULP from eager at the scale of the terms: bench/results/norm-accuracy-*).
     2: all of eager's roundings (only the reduction order differs from eager)."""
     scale = scale.to(tl.float32)
     shift = shift.to(tl.float32)
