@@ -27,13 +27,11 @@ CONFIGS = [None, (4, 32, 4)]  # None: the default; (4, 32, 4): multi-row masked 
 
 
 def modulate_plan(x, scale, shift, wide=False):
-    plan = M.ModulatePlan(x, scale, shift, *M._geometry_of(x, scale, shift))
-    return plan._replace(wide=True) if wide else plan
+    return M.ModulatePlan(x, scale, shift, *M._geometry_of(x, scale, shift, wide=wide))
 
 
 def gated_plan(x, y, gate, wide=False):
-    plan = G.GatedResidualPlan(x, y, gate, *G._geometry_of(x, y, gate))
-    return plan._replace(wide=True) if wide else plan
+    return G.GatedResidualPlan(x, y, gate, *G._geometry_of(x, y, gate, wide=wide))
 
 
 def params(layout, B, S, D, g):
@@ -138,14 +136,14 @@ def test_folded_parameters_equal_the_materialised_sum(T):
     for config in CONFIGS:
         c, ct, _ = table_of(scale, x)
         h, ht, _ = table_of(shift, x)
-        plan = M.ModulatePlan(x, c, h, *M._geometry_of(x, c, h, True, True), ct, ht)
+        plan = M.ModulatePlan(x, c, h, *M._geometry_of(x, c, h, ct, ht), ct, ht)
         assert plan.key[2].endswith("+table")
         out = M.launch_modulate(plan, config, out=torch.full_like(x, float("nan")))
         assert torch.equal(out, x * (1 + eager[1]) + eager[0])
-        plan = M.ModulatePlan(x, c, eager[0], *M._geometry_of(x, c, eager[0], True, False), ct, None)
+        plan = M.ModulatePlan(x, c, eager[0], *M._geometry_of(x, c, eager[0], ct), ct, None)
         assert torch.equal(M.launch_modulate(plan, config), x * (1 + eager[1]) + eager[0])
         gg, gt, _ = table_of(gate, x)
-        plan = G.GatedResidualPlan(x, y, gg, *G._geometry_of(x, y, gg, True), gt)
+        plan = G.GatedResidualPlan(x, y, gg, *G._geometry_of(x, y, gg, gt), gt)
         out = G.launch_gated_residual(plan, config, out=torch.full_like(x, float("nan")))
         assert torch.equal(out, x + y * eager[2])
 

@@ -42,3 +42,57 @@ def test_direct_call_only_for_the_known_launcher_without_scratch():
 
 def test_next_pow2_matches_the_definition():
     assert [next_pow2(n) for n in (1, 2, 3, 64, 65, 2240, 4096, 4097)] == [1, 2, 4, 64, 128, 4096, 4096, 8192]
+
+
+class FakeTensor:
+    """What FastLaunch reads from an operand: its address, device and dtype."""
+
+    dtype = "bf16"
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+    def data_ptr(self):
+        return self.ptr
+
+    def get_device(self):
+        return 0
+
+
+class FakeKernel:
+    """Triton's `fn[grid](...)`: records the call, returns a compiled kernel with a launcher."""
+
+    def __init__(self):
+        self.calls, self.launched = [], []
+        run = Triton36Launcher()
+        run.launch = lambda *args: self.launched.append(args)
+        self.compiled = type("Compiled", (), {"run": run, "function": "fn", "packed_metadata": "meta"})()
+
+    def __getitem__(self, grid):
+        def call(*args, **kwargs):
+            self.calls.append((grid, args, kwargs))
+            return self.compiled
+        return call
+
+
+def test_recipe_launches_through_triton_once_per_alignment_then_directly(monkeypatch):
+    monkeypatch.setattr(_pointwise.torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
+    _pointwise._C_LAUNCH_OK.clear()
+    kernel = FakeKernel()
+    launcher = _pointwise.FastLaunch(kernel, ("EVEN", "BLOCK"))
+    launcher.direct = True  # (the interpreter turns it off)
+    recipe = _pointwise.Recipe((3, 1, 2), (5, 64), (True, 128), 4)
+    aligned = (FakeTensor(4096), FakeTensor(8192))
+    launcher.launch(recipe, aligned)  # first sight: Triton's path, constexprs by name
+    assert kernel.calls == [((3, 1, 2), (aligned[0], aligned[1], 5, 64),
+                             {"EVEN": True, "BLOCK": 128, "num_warps": 4, "enable_fp_fusion": False})]
+    assert kernel.launched == []
+    launcher.launch(recipe, (FakeTensor(4096 + 256), FakeTensor(8192)))  # same alignment: direct
+    assert len(kernel.calls) == 1
+    assert kernel.launched == [(3, 1, 2, 7, "fn", False, False, None, None, "meta", None, None, None,
+                                4096 + 256, 8192, 5, 64, True, 128)]
+    launcher.launch(recipe, (FakeTensor(4096 + 2), FakeTensor(8192)))  # another alignment: Triton again
+    assert len(kernel.calls) == 2 and len(recipe.entries) == 2
+    # the plain call with the same integers shares the compiled entry
+    launcher((3, 1, 2), aligned, (5, 64), (True, 128), 4)
+    assert len(kernel.calls) == 2 and len(kernel.launched) == 2

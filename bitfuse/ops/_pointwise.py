@@ -230,6 +230,19 @@ def _no_hooks(hook) -> bool:
     return hook is None or (hasattr(hook, "calls") and not hook.calls)
 
 
+class Recipe:
+    """One launch with everything but the tensors fixed: grid, integer arguments,
+    constexprs and warps. Built once per cached geometry, it keeps the compiled
+    kernel per pointer-alignment pattern, so a call is a dict lookup and the launch."""
+
+    __slots__ = ("grid", "ints", "consts", "num_warps", "entries")
+
+    def __init__(self, grid, ints: tuple, consts: tuple, num_warps: int):
+        self.grid = (grid[0], grid[1], grid[2] if len(grid) > 2 else 1)
+        self.ints, self.consts, self.num_warps = ints, consts, num_warps
+        self.entries = {}  # pointer alignments -> (run, head, metadata)
+
+
 class FastLaunch:
     """Launch a Triton kernel without re-binding its arguments on every call.
 
@@ -239,8 +252,11 @@ class FastLaunch:
     with the same key launch that kernel directly. The key holds every integer
     argument's value and every pointer's 16-byte alignment, which determine
     Triton's specialization, so a replayed kernel is the one Triton would pick.
-    While launch hooks are installed (a profiler), every call takes Triton's
-    own path so the hooks see it.
+    Launch hooks (a Python profiler such as Proton) installed when a key is first
+    launched keep that key on Triton's own path, so the hooks see every call.
+
+    `launch(recipe, tensors)` is the same for a launch whose integers are fixed
+    (`Recipe`): it skips building and hashing the key.
     """
 
     MAX_KEYS = 4096
@@ -261,14 +277,39 @@ class FastLaunch:
         ptrs = [t.data_ptr() for t in tensors]
         key = (tuple([p & 15 == 0 for p in ptrs]), ints, consts, num_warps, tensors[0].dtype, device)
         entry = self.compiled.get(key)
-        if entry is not None:
-            # pointers as ints: Triton's launcher takes them as they are, where for a
-            # tensor it calls data_ptr() and cuPointerGetAttribute (the guard has
-            # already checked every operand is on this CUDA device)
-            run, head, metadata = entry
-            run(grid[0], grid[1], grid[2] if len(grid) > 2 else 1, torch._C._cuda_getCurrentRawStream(device),
-                *head, metadata, None, None, None, *ptrs, *ints, *consts)
+        if entry is None:
+            self._first(key, grid, tensors, ints, consts, num_warps)
             return
+        # pointers as ints: Triton's launcher takes them as they are, where for a
+        # tensor it calls data_ptr() and cuPointerGetAttribute (the guard has
+        # already checked every operand is on this CUDA device)
+        run, head, metadata = entry
+        run(grid[0], grid[1], grid[2] if len(grid) > 2 else 1, torch._C._cuda_getCurrentRawStream(device),
+            *head, metadata, None, None, None, *ptrs, *ints, *consts)
+
+    def launch(self, recipe: Recipe, tensors) -> None:
+        """Launch `recipe` on `tensors` (every one of the dtype and device the recipe
+        was built for: the caller's geometry cache is keyed by them)."""
+        ptrs = [t.data_ptr() for t in tensors]
+        aligned = tuple([p & 15 == 0 for p in ptrs])
+        entry = recipe.entries.get(aligned)
+        if entry is None:
+            key = (aligned, recipe.ints, recipe.consts, recipe.num_warps, tensors[0].dtype, tensors[0].get_device())
+            entry = self.compiled.get(key)
+            if entry is None:
+                self._first(key, recipe.grid, tensors, recipe.ints, recipe.consts, recipe.num_warps)
+                entry = self.compiled.get(key)
+                if entry is not None:
+                    recipe.entries[aligned] = entry
+                return
+            recipe.entries[aligned] = entry
+        run, head, metadata = entry
+        grid = recipe.grid
+        run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(tensors[0].get_device()),
+            *head, metadata, None, None, None, *ptrs, *recipe.ints, *recipe.consts)
+
+    def _first(self, key, grid, tensors, ints, consts, num_warps) -> None:
+        """Launch through Triton (compiling if needed) and keep the kernel for `key`."""
         k = self.fn[grid](*tensors, *ints, **dict(zip(self.names, consts)), num_warps=num_warps,
                           enable_fp_fusion=self.fp_fusion)
         if not self.direct or k is None:

@@ -15,6 +15,7 @@ import torch
 from ._pointwise import (
     HAS_TRITON,
     FastLaunch,
+    Recipe,
     Folded,
     Rows,
     broadcast_strides,
@@ -104,10 +105,11 @@ class GatedResidualPlan(NamedTuple):
     g_strides: tuple
     key: tuple
     wide: bool  # offsets may pass 2**31: index in int64
+    recipe: Recipe  # the default launch
     gate_table: torch.Tensor | None = None  # Folded gate: the table row added on the fly
 
 
-_geometry: dict = {}  # (shapes, strides, dtype, device) -> the guard's work, done once per layout
+_geometry: dict = {}  # (shapes, strides, dtype, device, table) -> the guard's work and launch, once per layout
 
 
 def plan_gated_residual(x, y, gate) -> GatedResidualPlan | str:
@@ -124,10 +126,10 @@ def plan_gated_residual(x, y, gate) -> GatedResidualPlan | str:
     if why:
         return why
     cache_key = (x.shape, x.stride(), y.shape, y.stride(), gate.shape, gate.stride(), x.dtype, x.get_device(),
-                 table is None)
+                 table is None or table.stride())
     geometry = _geometry.get(cache_key)
     if geometry is None:
-        geometry = _geometry_of(x, y, gate, table is not None)
+        geometry = _geometry_of(x, y, gate, table)
         if len(_geometry) >= 4096:
             _geometry.clear()
         _geometry[cache_key] = geometry
@@ -136,7 +138,8 @@ def plan_gated_residual(x, y, gate) -> GatedResidualPlan | str:
     return GatedResidualPlan(x, y, gate, *geometry, table)
 
 
-def _geometry_of(x, y, gate, folded=False):
+def _geometry_of(x, y, gate, table=None, wide=None):
+    """The guard's per-layout work and the default launch (`wide`: force int64 offsets, for tests)."""
     rows = rows_of(x)
     if rows is None:
         return f"x must be 2-D or 3-D, got {x.dim()}-D"
@@ -148,29 +151,33 @@ def _geometry_of(x, y, gate, folded=False):
     if g is None:
         return "gate does not broadcast to x's shape"
     r, yr = rows, rows_of(y)
-    wide = r.B * r.S * r.D >= 2**31 or needs_int64(
+    wide = wide or r.B * r.S * r.D >= 2**31 or needs_int64(
         (r.B, r.sb), (r.S, r.ss), (r.D, r.sd), (r.B, yr.sb), (r.S, yr.ss), (r.D, yr.sd), (r.B, g[0]), (r.S, g[1]), (r.D, g[2])
     )
-    return rows, yr, g, (x.dtype, x.get_device(), layout_class(g, gate) + ("+table" if folded else "")), wide
+    key = (x.dtype, x.get_device(), layout_class(g, gate) + ("+table" if table is not None else ""))
+    config = launch_shape(r.D, r.B * r.S, x.element_size(), 3 + (g[1] != 0))
+    return rows, yr, g, key, wide, _recipe(r, yr, g, wide, table, config)
+
+
+def _recipe(r: Rows, yr: Rows, g, wide, gt, config) -> Recipe:
+    block_r, block_d, num_warps = config
+    return Recipe(
+        (cdiv(r.S, block_r) * cdiv(r.D, block_d), 1, r.B),
+        (r.S, r.D, r.sb, r.ss, r.sd, yr.sb, yr.ss, yr.sd, *g, 0 if gt is None else gt.stride(0)),
+        (g[1] != 0, gt is not None, r.S % block_r == 0 and r.D % block_d == 0, wide, block_r, block_d,
+         cdiv(r.D, block_d)),
+        num_warps,
+    )
 
 
 def launch_gated_residual(plan: GatedResidualPlan, config=None, out=None) -> torch.Tensor:
     """Run the kernel for a guarded plan, into `out` (contiguous, x's shape) if given.
     `config` overrides (BLOCK_R, BLOCK_D, num_warps)."""
-    x, r, yr, g = plan.x, plan.rows, plan.y_rows, plan.g_strides
+    x, gt = plan.x, plan.gate_table
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    streams = 3 + (g[1] != 0)
-    block_r, block_d, num_warps = config or launch_shape(r.D, r.B * r.S, x.element_size(), streams)
-    gt = plan.gate_table
-    _launch(
-        (cdiv(r.S, block_r) * cdiv(r.D, block_d), 1, r.B),
-        (x, plan.y, plan.gate, out, plan.gate if gt is None else gt),
-        (r.S, r.D, r.sb, r.ss, r.sd, yr.sb, yr.ss, yr.sd, *g, 0 if gt is None else gt.stride(0)),
-        (g[1] != 0, gt is not None, r.S % block_r == 0 and r.D % block_d == 0, plan.wide, block_r, block_d,
-         cdiv(r.D, block_d)),
-        num_warps,
-    )
+    recipe = plan.recipe if config is None else _recipe(plan.rows, plan.y_rows, plan.g_strides, plan.wide, gt, config)
+    _launch.launch(recipe, (x, plan.y, plan.gate, out, plan.gate if gt is None else gt))
     return out
 
 

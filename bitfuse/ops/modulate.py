@@ -20,6 +20,7 @@ import torch
 from ._pointwise import (
     HAS_TRITON,
     FastLaunch,
+    Recipe,
     Rows,
     broadcast_strides,
     cdiv,
@@ -133,11 +134,12 @@ class ModulatePlan(NamedTuple):
     h_strides: tuple
     key: tuple
     wide: bool  # offsets may pass 2**31: index in int64
+    recipe: Recipe  # the default launch
     scale_table: torch.Tensor | None = None  # Folded: the table row added on the fly
     shift_table: torch.Tensor | None = None
 
 
-_geometry: dict = {}  # (shapes, strides, dtype, device) -> the guard's work, done once per layout
+_geometry: dict = {}  # (shapes, strides, dtype, device, tables) -> the guard's work and launch, once per layout
 
 
 def plan_modulate(x, scale, shift) -> ModulatePlan | str:
@@ -151,11 +153,11 @@ def plan_modulate(x, scale, shift) -> ModulatePlan | str:
     why = common_device_dtype(x, scale, shift)
     if why:
         return why
-    cache_key = (x.shape, x.stride(), scale.shape, scale.stride(), shift.shape, shift.stride(),
-                 x.dtype, x.get_device(), scale_table is None, shift_table is None)
+    cache_key = (x.shape, x.stride(), scale.shape, scale.stride(), shift.shape, shift.stride(), x.dtype,
+                 x.get_device(), scale_table is None or scale_table.stride(), shift_table is None or shift_table.stride())
     geometry = _geometry.get(cache_key)
     if geometry is None:
-        geometry = _geometry_of(x, scale, shift, scale_table is not None, shift_table is not None)
+        geometry = _geometry_of(x, scale, shift, scale_table, shift_table)
         if len(_geometry) >= 4096:
             _geometry.clear()
         _geometry[cache_key] = geometry
@@ -164,8 +166,9 @@ def plan_modulate(x, scale, shift) -> ModulatePlan | str:
     return ModulatePlan(x, scale, shift, *geometry, scale_table, shift_table)
 
 
-def _geometry_of(x, scale, shift, scale_folded=False, shift_folded=False):
-    rows = rows_of(x)
+def _geometry_of(x, scale, shift, scale_table=None, shift_table=None, wide=None):
+    """The guard's per-layout work and the default launch (`wide`: force int64 offsets, for tests)."""
+    r = rows = rows_of(x)
     if rows is None:
         return f"x must be 2-D or 3-D, got {x.dim()}-D"
     if x.numel() == 0:
@@ -174,32 +177,37 @@ def _geometry_of(x, scale, shift, scale_folded=False, shift_folded=False):
     h = broadcast_strides(shift, x.shape)
     if c is None or h is None:
         return "scale/shift do not broadcast to x's shape"
-    r = rows
-    wide = r.B * r.S * r.D >= 2**31 or needs_int64(
+    wide = wide or r.B * r.S * r.D >= 2**31 or needs_int64(
         (r.B, r.sb), (r.S, r.ss), (r.D, r.sd), (r.B, c[0]), (r.S, c[1]), (r.D, c[2]), (r.B, h[0]), (r.S, h[1]), (r.D, h[2])
     )
-    key = (x.dtype, x.get_device(), layout_class(c, scale) + ("+table" if scale_folded else ""),
-           layout_class(h, shift) + ("+table" if shift_folded else ""))
-    return rows, c, h, key, wide
+    key = (x.dtype, x.get_device(), layout_class(c, scale) + ("+table" if scale_table is not None else ""),
+           layout_class(h, shift) + ("+table" if shift_table is not None else ""))
+    streams = 2 + (c[1] != 0) + (h[1] != 0)
+    config = launch_shape(r.D, r.B * r.S, x.element_size(), streams)
+    return rows, c, h, key, wide, _recipe(rows, c, h, wide, scale_table, shift_table, config)
+
+
+def _recipe(r: Rows, c, h, wide, ct, ht, config) -> Recipe:
+    block_r, block_d, num_warps = config
+    return Recipe(
+        (cdiv(r.S, block_r) * cdiv(r.D, block_d), 1, r.B),
+        (r.S, r.D, r.sb, r.ss, r.sd, *c, *h, 0 if ct is None else ct.stride(0), 0 if ht is None else ht.stride(0)),
+        (c[1] != 0, h[1] != 0, ct is not None, ht is not None, r.S % block_r == 0 and r.D % block_d == 0, wide,
+         block_r, block_d, cdiv(r.D, block_d)),
+        num_warps,
+    )
 
 
 def launch_modulate(plan: ModulatePlan, config=None, out=None) -> torch.Tensor:
     """Run the kernel for a guarded plan, into `out` (contiguous, x's shape) if given.
     `config` overrides (BLOCK_R, BLOCK_D, num_warps)."""
-    x, r, c, h = plan.x, plan.rows, plan.c_strides, plan.h_strides
+    x, ct, ht = plan.x, plan.scale_table, plan.shift_table
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    streams = 2 + (c[1] != 0) + (h[1] != 0)
-    block_r, block_d, num_warps = config or launch_shape(r.D, r.B * r.S, x.element_size(), streams)
-    even = r.S % block_r == 0 and r.D % block_d == 0
-    ct, ht = plan.scale_table, plan.shift_table
-    _launch(
-        (cdiv(r.S, block_r) * cdiv(r.D, block_d), 1, r.B),
-        (x, plan.scale, plan.shift, out, plan.scale if ct is None else ct, plan.shift if ht is None else ht),
-        (r.S, r.D, r.sb, r.ss, r.sd, *c, *h, 0 if ct is None else ct.stride(0), 0 if ht is None else ht.stride(0)),
-        (c[1] != 0, h[1] != 0, ct is not None, ht is not None, even, plan.wide, block_r, block_d, cdiv(r.D, block_d)),
-        num_warps,
-    )
+    recipe = plan.recipe if config is None else _recipe(plan.rows, plan.c_strides, plan.h_strides, plan.wide, ct, ht,
+                                                        config)
+    _launch.launch(recipe, (x, plan.scale, plan.shift, out, plan.scale if ct is None else ct,
+                            plan.shift if ht is None else ht))
     return out
 
 
