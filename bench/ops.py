@@ -9,10 +9,13 @@ over the bytes the op must move (each input read once, the output written
 once), that as a percentage of the copy ceiling measured the same way, and
 whether its output is `torch.equal` to eager's. bitfuse is called through its
 sites, as a model calls them. Host cost per call (guard, gate, launch) is
-measured separately on tiny tensors. Each row also keeps its median per
-interleaved round (`rounds_us`), so two variants can be compared round by round
-(bench/report.py does, for bitfuse against compile + emulate). Writes
-ops-<gpu>.json and a PNG.
+measured separately on tiny tensors. Every variant is captured three times
+(separate output buffers: where a buffer lies moves a time by up to 0.3%) and
+the captures are pooled. Each row also keeps its median per interleaved round
+(`rounds_us`), so two variants can be compared round by round (bench/report.py
+does, for bitfuse against compile + emulate); a second, independent copy of
+compile + emulate ("compile+emulate (control)") shows how far two timings of
+the same code differ. Writes ops-<gpu>.json and a PNG.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import triton  # noqa: E402
-from timing import GraphTimer, copy_ceiling_tbps, host_us, interleaved_samples, sets_for  # noqa: E402
+from timing import GraphTimer, copy_ceiling_tbps, host_us, interleaved_samples, pooled_rounds, sets_for  # noqa: E402
 
 import bitfuse.ops.modulate  # noqa: E402,F401
 import bitfuse.ops.rotary  # noqa: E402,F401
@@ -118,6 +121,8 @@ def make_call(op, variant, bufs, norm_refs, compiled_fns):
         return lambda: compiled_fns["eager"](*args)
     if variant in ("torch.compile", "compile+emulate"):
         return lambda: compiled_fns[variant](*args)
+    if variant == CONTROL:
+        return lambda: compiled_fns["compile+emulate"](*args)
     if variant == "bitfuse high":
         def high():
             with quality("high"):
@@ -126,10 +131,16 @@ def make_call(op, variant, bufs, norm_refs, compiled_fns):
     return site
 
 
+CONTROL = "compile+emulate (control)"  # the same compiled function, captured separately
+INSTANCES = 3  # captures per variant, pooled
+ROUNDS = 8
+
+
 def measure(variants, call, sets, compare):
     """Check each variant on the first input set (`compare(output)` -> dict), capture
-    its timer over all sets, then time all of them in interleaved rounds. Returns
-    {variant: dict with "us" and the comparison, or "error"}."""
+    INSTANCES timers of it over all sets (variants in turn, so no variant's buffers
+    are all allocated first), then time all of them in interleaved rounds. Returns
+    {variant: dict with "us", "rounds_us" and the comparison, or "error"}."""
     results, timers = {}, {}
     for name in variants:
         try:
@@ -138,10 +149,20 @@ def measure(variants, call, sets, compare):
                 torch.cuda.synchronize()
                 results[name] = compare(out)
                 del out
-                timers[name] = GraphTimer([call(name, bufs) for bufs in sets])
         except Exception as exc:  # record and go on: one broken variant must not hide the rest
             results[name] = dict(error=f"{type(exc).__name__}: {exc}"[:300])
-    for name, per_round in interleaved_samples(timers).items():
+    for i in range(INSTANCES):
+        for name in variants:
+            if "error" in results[name]:
+                continue
+            try:
+                with torch.no_grad():
+                    timers[(name, i)] = GraphTimer([call(name, bufs) for bufs in sets])
+            except Exception as exc:
+                results[name] = dict(error=f"{type(exc).__name__}: {exc}"[:300])
+    for k in [k for k in timers if "error" in results[k[0]]]:
+        timers.pop(k).close()
+    for name, per_round in pooled_rounds(interleaved_samples(timers, rounds=ROUNDS, replays=3)).items():
         results[name]["us"] = statistics.median(v for r in per_round for v in r)
         results[name]["rounds_us"] = [round(statistics.median(r), 3) for r in per_round]
     for t in timers.values():
@@ -181,7 +202,9 @@ def run_case(op, B, S, D, per_token, ceiling, rows, norm_refs):
             return norm_fn(x) * (1 + c) + h
 
     variants = ["eager", "torch.compile", "compile+emulate", "bitfuse lossless"]
-    if op not in ("modulate", "gated_residual"):
+    if op in ("modulate", "gated_residual"):
+        variants.append(CONTROL)
+    else:
         variants.append("bitfuse high")
         norm_refs = {k: (fn, make(D)) for k, (fn, make) in norm_refs.items()}
     compiled_fns = {"eager": eager, "torch.compile": compiled(eager, False), "compile+emulate": compiled(eager, True)}
@@ -250,12 +273,21 @@ def host_costs():
     x, y, c, h, gate = operands(1, 8, 64, False)
     sys_mod = sys.modules["bitfuse.ops.modulate"]
     plan = sys_mod.plan_modulate(x, c, h)
+    recipe, out = plan.recipe, torch.empty_like(x)
+
+    def triton_launch():  # the same kernel through Triton's own launch path (the issue's 15.5 us anchor)
+        sys_mod._modulate_kernel[recipe.grid](x, c, h, out, c, h, *recipe.ints,
+                                              **dict(zip(sys_mod._launch.names, recipe.consts)),
+                                              num_warps=recipe.num_warps, enable_fp_fusion=False)
+
+    triton_launch()
     return {
         "eager x*(1+scale)+shift (3 ops)": host_us(lambda: x * (1 + c) + h),
         "eager x+y*gate (2 ops)": host_us(lambda: x + y * gate),
         "bitfuse modulate_site": host_us(lambda: sites.modulate_site(x, c, h)),
         "bitfuse gated_residual_site": host_us(lambda: sites.gated_residual_site(x, y, gate)),
         "bitfuse launch only (planned)": host_us(lambda: sys_mod.launch_modulate(plan)),
+        "raw Triton launch of the same kernel": host_us(triton_launch),
         "torch.ops.bitfuse.modulate (torch.library)": host_us(lambda: torch.ops.bitfuse.modulate(x, c, h)),
     }
 

@@ -6,7 +6,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
-from timing import interleaved_samples, interleaved_us, paired_rounds  # noqa: E402
+from timing import interleaved_samples, interleaved_us, paired_rounds, pooled_rounds  # noqa: E402
 
 
 class FakeTimer:
@@ -35,7 +35,12 @@ def test_samples_per_round_and_the_paired_comparison():
     assert paired_rounds(per_round["a"], per_round["b"]) == dict(median_diff_us=1.5, rounds=3, rounds_slower=2)
 
 
-def test_report_counts_shapes_slower_in_every_round():
+def test_instances_of_a_variant_are_pooled_round_by_round():
+    samples = {("a", 0): [[1, 2], [3, 4]], ("a", 1): [[5], [6]], ("b", 0): [[7], [8]]}
+    assert pooled_rounds(samples) == {"a": [[1, 2, 5], [3, 4, 6]], "b": [[7], [8]]}
+
+
+def test_report_counts_shapes_slower_in_every_round_against_the_control():
     import report
 
     def row(op, variant, us, rounds):
@@ -45,5 +50,13 @@ def test_report_counts_shapes_slower_in_every_round():
             row("gated_residual", "bitfuse lossless", 4.7, [4.7, 4.8, 4.7]),
             row("gated_residual", "compile+emulate", 4.6, [4.6, 4.6, 4.6])]
     (text,) = [line for line in report.against_compile(rows) if line]
-    assert "2 shapes" in text and "slower at 2, by at most 0.10 µs" in text
-    assert "p = 2^-3) at 1 (gated_residual 2048×1024 per-sample, median +0.10 µs)" in text
+    assert "2 shapes, 3 interleaved rounds" in text and "slower by the median at 2 (by at most 0.10 µs)" in text
+    assert "slower in every round at 1 (gated_residual 2048×1024 per-sample, +0.10 µs)" in text
+    assert "Control" not in text
+    # the control: compile + emulate against itself, 0.05 us apart in every round
+    rows += [row("modulate", "compile+emulate (control)", 3.45, [3.45, 3.55, 3.55]),
+             row("gated_residual", "compile+emulate (control)", 4.6, [4.6, 4.6, 4.6])]
+    (text,) = [line for line in report.against_compile(rows) if line]
+    assert "Control, compile + emulate captured a second time against itself: slower by the median at 1 " in text
+    assert "largest round-by-round gap is 0.05 µs" in text
+    assert "by more than that gap at 1 shapes (gated_residual 2048×1024 per-sample)" in text
