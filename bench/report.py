@@ -227,6 +227,12 @@ def render():
     out = headline(ops[0] if ops else None, ltx2[0] if ltx2 else None)
     for path in sorted(glob.glob(os.path.join(RESULTS, "ops-*.json"))):
         out += ops_section(path) + [""]
+    for path in sorted(glob.glob(os.path.join(RESULTS, "repeat", "ops-*.json"))):
+        res = json.load(open(path))
+        lines = against_compile(res["rows"])
+        if lines:
+            out += [f"Repeat run on {res['gpu']} ({res['date']}, `{os.path.relpath(path, ROOT)}`): "
+                    + lines[-1][0].lower() + lines[-1][1:], ""]
     for path in sorted(glob.glob(os.path.join(RESULTS, "norm-accuracy-*.json"))):
         out += accuracy_section(path) + [""]
     for path in sorted(glob.glob(os.path.join(RESULTS, "ltx2-*.json"))):
