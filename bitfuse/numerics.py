@@ -57,7 +57,17 @@ def ulp_of(magnitude: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The spacing of `dtype` values at each |magnitude| (fp32 in, fp32 out)."""
     info = torch.finfo(dtype)
     _, exp = torch.frexp(magnitude.float().abs().clamp_min(info.tiny))
-    return torch.ldexp(torch.ones_like(magnitude, dtype=torch.float32), exp - 1 - _MANTISSA[dtype])
+    return exp2i(exp - 1 - _MANTISSA[dtype])
+
+
+def exp2i(k: torch.Tensor) -> torch.Tensor:
+    """2**k in fp32, exactly, for integers k in [-149, 127], built from its bits.
+    (Not `torch.ldexp`: its CUDA kernel can read out of bounds, pytorch/pytorch#189567;
+    on two H200s it did with the operands on a device other than the current one.)"""
+    k = k.to(torch.int32)
+    normal = (k + 127).clamp_min(1) << 23
+    subnormal = torch.ones_like(k) << (k + 149).clamp(0, 22)
+    return torch.where(k >= -126, normal, subnormal).view(torch.float32)
 
 
 def within_one_ulp_at(a: torch.Tensor, b: torch.Tensor, magnitude: torch.Tensor, ulps: int = 1) -> bool:

@@ -49,14 +49,37 @@ class FakeTensor:
 
     dtype = "bf16"
 
-    def __init__(self, ptr):
-        self.ptr = ptr
+    def __init__(self, ptr, device=0):
+        self.ptr, self.device = ptr, device
 
     def data_ptr(self):
         return self.ptr
 
     def get_device(self):
-        return 0
+        return self.device
+
+
+class FakeCuda:
+    """The current device, and `torch.cuda.device(i)` switching it."""
+
+    def __init__(self, monkeypatch):
+        self.current, self.entered = 0, []
+        monkeypatch.setattr(_pointwise.torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
+        monkeypatch.setattr(_pointwise.torch._C, "_cuda_getDevice", lambda: self.current, raising=False)
+        monkeypatch.setattr(_pointwise.torch.cuda, "device", self.device)
+
+    def device(self, index):
+        cuda = self
+
+        class Switch:
+            def __enter__(self):
+                cuda.entered.append(index)
+                self.before, cuda.current = cuda.current, index
+
+            def __exit__(self, *exc):
+                cuda.current = self.before
+
+        return Switch()
 
 
 class FakeKernel:
@@ -76,7 +99,7 @@ class FakeKernel:
 
 
 def test_recipe_launches_through_triton_once_per_alignment_then_directly(monkeypatch):
-    monkeypatch.setattr(_pointwise.torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
+    FakeCuda(monkeypatch)
     _pointwise._C_LAUNCH_OK.clear()
     kernel = FakeKernel()
     launcher = _pointwise.FastLaunch(kernel, ("EVEN", "BLOCK"))
@@ -96,3 +119,22 @@ def test_recipe_launches_through_triton_once_per_alignment_then_directly(monkeyp
     # the plain call with the same integers shares the compiled entry
     launcher((3, 1, 2), aligned, (5, 64), (True, 128), 4)
     assert len(kernel.calls) == 2 and len(kernel.launched) == 2
+
+
+def test_operands_on_another_device_launch_under_that_device(monkeypatch):
+    cuda = FakeCuda(monkeypatch)
+    _pointwise._C_LAUNCH_OK.clear()
+    kernel = FakeKernel()
+    seen = []
+    kernel.compiled.run.launch = lambda *args: seen.append((cuda.current, args[3]))
+    launcher = _pointwise.FastLaunch(kernel, ("BLOCK",))
+    launcher.direct = True
+    recipe = _pointwise.Recipe((1, 1, 1), (5,), (128,), 4)
+    on_1 = (FakeTensor(4096, device=1),)
+    launcher.launch(recipe, on_1)  # through Triton: it compiles for the current device
+    launcher.launch(recipe, on_1)  # directly
+    launcher((1, 1, 1), on_1, (5,), (128,), 4)  # the plain call too
+    assert cuda.entered == [1, 1, 1] and cuda.current == 0
+    assert seen == [(1, 7), (1, 7)]
+    launcher.launch(recipe, (FakeTensor(4096, device=0),))  # the current device: no switch
+    assert cuda.entered == [1, 1, 1]

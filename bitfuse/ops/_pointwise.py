@@ -257,6 +257,10 @@ class FastLaunch:
 
     `launch(recipe, tensors)` is the same for a launch whose integers are fixed
     (`Recipe`): it skips building and hashing the key.
+
+    Operands on a CUDA device other than the current one launch under that device
+    (eager PyTorch runs them wherever they are; Triton compiles for, and launches
+    on, the current device).
     """
 
     MAX_KEYS = 4096
@@ -274,6 +278,9 @@ class FastLaunch:
             self.fp_fusion = num_warps.get("enable_fp_fusion", False)
             num_warps = num_warps["num_warps"]
         device = tensors[0].get_device()
+        if device >= 0 and device != torch._C._cuda_getDevice():
+            with torch.cuda.device(device):
+                return self(grid, tensors, ints, consts, num_warps)
         ptrs = [t.data_ptr() for t in tensors]
         key = (tuple([p & 15 == 0 for p in ptrs]), ints, consts, num_warps, tensors[0].dtype, device)
         entry = self.compiled.get(key)
@@ -290,11 +297,15 @@ class FastLaunch:
     def launch(self, recipe: Recipe, tensors) -> None:
         """Launch `recipe` on `tensors` (every one of the dtype and device the recipe
         was built for: the caller's geometry cache is keyed by them)."""
+        device = tensors[0].get_device()
+        if device >= 0 and device != torch._C._cuda_getDevice():
+            with torch.cuda.device(device):
+                return self.launch(recipe, tensors)
         ptrs = [t.data_ptr() for t in tensors]
         aligned = tuple([p & 15 == 0 for p in ptrs])
         entry = recipe.entries.get(aligned)
         if entry is None:
-            key = (aligned, recipe.ints, recipe.consts, recipe.num_warps, tensors[0].dtype, tensors[0].get_device())
+            key = (aligned, recipe.ints, recipe.consts, recipe.num_warps, tensors[0].dtype, device)
             entry = self.compiled.get(key)
             if entry is None:
                 self._first(key, recipe.grid, tensors, recipe.ints, recipe.consts, recipe.num_warps)
@@ -305,7 +316,7 @@ class FastLaunch:
             recipe.entries[aligned] = entry
         run, head, metadata = entry
         grid = recipe.grid
-        run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(tensors[0].get_device()),
+        run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device),
             *head, metadata, None, None, None, *ptrs, *recipe.ints, *recipe.consts)
 
     def _first(self, key, grid, tensors, ints, consts, num_warps) -> None:
