@@ -10,7 +10,7 @@ once), that as a percentage of the copy ceiling measured the same way, and
 whether its output is `torch.equal` to eager's. bitfuse is called through its
 sites, as a model calls them. Host cost per call (guard, gate, launch) is
 measured separately on tiny tensors. Every variant is captured three times
-(separate output buffers: where a buffer lies moves a time by up to 0.3%) and
+(separate output buffers: where a buffer lies moves a time by up to 0.4%) and
 the captures are pooled. Each row also keeps its median per interleaved round
 (`rounds_us`), so two variants can be compared round by round (bench/report.py
 does, for bitfuse against compile + emulate); a second, independent copy of

@@ -101,7 +101,7 @@ def pooled_rounds(samples: dict) -> dict:
 
     Several instances of a variant (separate captures, so separate output buffers)
     average out where its buffers happen to lie: on the H200 two captures of the
-    same compiled function differed by up to 0.3 us (0.3%) in every round of a run."""
+    same compiled function differed by up to 0.4 us (0.4%) in every round of a run."""
     pooled = {}
     for (variant, _), per_round in samples.items():
         rounds = pooled.setdefault(variant, [[] for _ in per_round])

@@ -15,8 +15,8 @@ import torch
 from ._pointwise import (
     HAS_TRITON,
     FastLaunch,
-    Recipe,
     Folded,
+    Recipe,
     Rows,
     broadcast_strides,
     cdiv,

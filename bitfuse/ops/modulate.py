@@ -168,8 +168,8 @@ def plan_modulate(x, scale, shift) -> ModulatePlan | str:
 
 def _geometry_of(x, scale, shift, scale_table=None, shift_table=None, wide=None):
     """The guard's per-layout work and the default launch (`wide`: force int64 offsets, for tests)."""
-    r = rows = rows_of(x)
-    if rows is None:
+    r = rows_of(x)
+    if r is None:
         return f"x must be 2-D or 3-D, got {x.dim()}-D"
     if x.numel() == 0:
         return "empty tensor"
@@ -184,7 +184,7 @@ def _geometry_of(x, scale, shift, scale_table=None, shift_table=None, wide=None)
            layout_class(h, shift) + ("+table" if shift_table is not None else ""))
     streams = 2 + (c[1] != 0) + (h[1] != 0)
     config = launch_shape(r.D, r.B * r.S, x.element_size(), streams)
-    return rows, c, h, key, wide, _recipe(rows, c, h, wide, scale_table, shift_table, config)
+    return r, c, h, key, wide, _recipe(r, c, h, wide, scale_table, shift_table, config)
 
 
 def _recipe(r: Rows, c, h, wide, ct, ht, config) -> Recipe:
