@@ -101,12 +101,17 @@ _verdicts: dict[tuple, Verdict] = {}
 _lock = threading.RLock()
 
 
-def _compiling() -> bool:
+def compiling() -> bool:
+    """Inside torch.compile tracing."""
     return torch.compiler.is_compiling()
 
 
-def _capturing() -> bool:
+def capturing() -> bool:
+    """Inside CUDA-graph capture on the current stream."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+_compiling, _capturing = compiling, capturing
 
 
 def _describe(key: tuple) -> str:
