@@ -4,22 +4,33 @@ from __future__ import annotations
 
 import torch
 
-_INT_OF = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+_INT_OF = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
+           torch.float64: torch.int64}
 
 
-def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """torch.equal, with NaN equal to NaN: a NaN in the input must not count as a
-    kernel mismatch, but a NaN where eager has a number must."""
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality, the lossless contract: same shape, dtype and bits, so
+    signed zeros count (-0.0 is not +0.0); a NaN equals any NaN (its payload is
+    not a value), but a NaN where the other has a number does not."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    if torch.equal(a, b):
+    int_dtype = _INT_OF.get(a.dtype)
+    if int_dtype is None:
+        return torch.equal(a, b)
+    ai, bi = a.view(int_dtype), b.view(int_dtype)
+    if torch.equal(ai, bi):
         return True
-    if not a.is_floating_point():
-        return False
-    a_nan, b_nan = a.isnan(), b.isnan()
-    if not torch.equal(a_nan, b_nan) or not a_nan.any():
-        return False
-    return torch.equal(a[~a_nan], b[~b_nan])
+    return bool(((ai == bi) | (a.isnan() & b.isnan())).all())
+
+
+def differing(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many elements differ bitwise (NaN against NaN: equal)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return max(a.numel(), b.numel())
+    int_dtype = _INT_OF.get(a.dtype)
+    if int_dtype is None:
+        return int((a != b).sum())
+    return int((~((a.view(int_dtype) == b.view(int_dtype)) | (a.isnan() & b.isnan()))).sum())
 
 
 def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -46,17 +57,13 @@ def max_ulp(a: torch.Tensor, b: torch.Tensor) -> int:
     return int(ulp_distance(a, b).max())
 
 
-def within_one_ulp(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and max_ulp(a, b) <= 1
-
-
 _MANTISSA = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
 
 
 def ulp_of(magnitude: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The spacing of `dtype` values at each |magnitude| (fp32 in, fp32 out)."""
     info = torch.finfo(dtype)
-    _, exp = torch.frexp(magnitude.float().abs().clamp_min(info.tiny))
+    _, exp = torch.frexp(magnitude.float().abs().clamp(info.tiny, info.max))
     return exp2i(exp - 1 - _MANTISSA[dtype])
 
 
@@ -70,18 +77,36 @@ def exp2i(k: torch.Tensor) -> torch.Tensor:
     return torch.where(k >= -126, normal, subnormal).view(torch.float32)
 
 
-def within_one_ulp_at(a: torch.Tensor, b: torch.Tensor, magnitude: torch.Tensor, ulps: int = 1) -> bool:
-    """|a - b| <= `ulps` ULPs of `magnitude`, elementwise, NaNs where both are NaN.
+def ulp_errors(out: torch.Tensor, ref64: torch.Tensor, terms64: torch.Tensor) -> torch.Tensor:
+    """|out - ref64| in ULPs of out's dtype at the scale max(terms64, |ref64|), float64,
+    elementwise: the high tier's error measure. Counted at the scale of the op's
+    largest term, not of the result: where terms nearly cancel, eager's own
+    roundings of the terms are large next to the small result."""
+    scale = terms64.abs().maximum(ref64.abs()).clamp_max(torch.finfo(torch.float32).max)
+    return (out.double() - ref64).abs() / ulp_of(scale, out.dtype).double()
 
-    The high tier's criterion. No kernel that rounds differently from eager
-    anywhere can be within one ULP of eager's *output* everywhere: where `n*t`
-    and `shift` nearly cancel, a last-bit change of the intermediate is large
-    relative to the small result. ULPs are therefore counted at the scale of
-    the op's largest term (|n*t|, |shift|, |out|)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    a_nan, b_nan = a.isnan(), b.isnan()
-    if not torch.equal(a_nan, b_nan):
-        return False
-    ok = a_nan | (a.float() - b.float()).abs().le(ulps * ulp_of(magnitude, a.dtype)) | (a == b)
-    return bool(ok.all())
+
+HIGH_MAX_ULP = 1.0
+
+
+def high_contract(out: torch.Tensor, eager: torch.Tensor, ref64: torch.Tensor, terms64: torch.Tensor) -> str | None:
+    """The high tier's contract, or why `out` breaks it (None: it holds). Where eager's
+    result is finite: every element of `out` within HIGH_MAX_ULP ULP (at the terms'
+    scale, `ulp_errors`) of the float64 value of the same expression, and the mean of
+    that error no larger than eager's. Where eager's result is NaN or infinite (NaN
+    or inf inputs, overflow), `out` must be eager's, bit for bit."""
+    if out.shape != eager.shape or out.dtype != eager.dtype:
+        return f"output {tuple(out.shape)} {out.dtype}, eager {tuple(eager.shape)} {eager.dtype}"
+    finite = torch.isfinite(eager)
+    if not bool(finite.all()) and not same_bits(out[~finite], eager[~finite]):
+        return "differs from eager where eager's result is NaN or infinite"
+    if not bool(finite.any()):
+        return None
+    err = ulp_errors(out[finite], ref64[finite], terms64[finite])
+    worst = float(err.max())
+    if not worst <= HIGH_MAX_ULP:  # (also catches NaN)
+        return f"{worst:.3g} ULP from the float64 value (the contract: <= {HIGH_MAX_ULP:g})"
+    mean, eager_mean = float(err.mean()), float(ulp_errors(eager[finite], ref64[finite], terms64[finite]).mean())
+    if mean > eager_mean:
+        return f"mean error {mean:.3g} ULP, above eager's {eager_mean:.3g}"
+    return None

@@ -1,16 +1,26 @@
 """The policy between kernels and sites: the first-sight gate and quality tiers.
 
 The gate. A fast path is trusted on a platform only after it has been seen
-to agree with eager there. The first eligible call of each signature (op,
-mode, dtype, device, parameter layout) runs both, compares, and caches the
-verdict for the process: agreement enables the signature; a mismatch or an
-exception disables it for good, warns once, and returns eager's result.
-Verification never runs inside torch.compile tracing or CUDA-graph capture:
-there an unverified signature takes eager.
+to keep its contract there. The first eligible call of each signature (op,
+tier, dtype, device, parameter layout, ...) runs the kernel (twice: the
+compiling launch and the direct one, each into a NaN-poisoned output) and
+eager, compares, and caches the verdict for the process: agreement enables the
+signature; a mismatch or an exception disables it for good, warns once, and
+returns eager's result. Verification never runs inside torch.compile tracing
+or CUDA-graph capture: there an unverified signature takes eager.
 
-Tiers. "lossless" (default) paths must be `torch.equal` to eager; "high"
-paths must lie within one ULP of it. `with quality("high"):` selects a tier
-for the code inside it, per thread and per asyncio task.
+Tiers, the contracts the gate checks:
+- "lossless" (default): bitwise equal to eager (`numerics.same_bits`: signed
+  zeros count, NaN equals NaN).
+- "high": at least as accurate as eager against the float64 value of the same
+  expression: every element within one ULP at the scale of the op's largest
+  term, and a mean error no larger than eager's (`numerics.high_contract`); a
+  miss falls back to the op's lossless kernel for that signature.
+`with quality("high"):` selects a tier for the code inside it, per thread and
+per asyncio task.
+
+Environment: BITFUSE_DISABLE=1 sends every site to eager; BITFUSE_VERIFY=always
+compares every call with eager, not only the first of each signature.
 """
 
 from __future__ import annotations
@@ -21,13 +31,11 @@ import os
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from .numerics import same_values, within_one_ulp, within_one_ulp_at
-
-TIERS = ("lossless", "high")
+from .numerics import differing, high_contract, same_bits
+from .ops.spec import TIERS, OpSpec
 
 # ---------------------------------------------------------------- environment
 
@@ -36,7 +44,8 @@ def _env_flags() -> tuple[bool, bool]:
     disable = os.environ.get("BITFUSE_DISABLE", "0").strip().lower() not in ("", "0", "false", "no")
     verify = os.environ.get("BITFUSE_VERIFY", "").strip().lower()
     if verify not in ("", "once", "always"):
-        raise ValueError(f"BITFUSE_VERIFY must be 'once' or 'always', got {verify!r}")
+        warnings.warn(f"bitfuse: BITFUSE_VERIFY={verify!r} is neither 'once' nor 'always'; using 'once'",
+                      UserWarning, stacklevel=2)
     return disable, verify == "always"
 
 
@@ -55,6 +64,7 @@ _requested: contextvars.ContextVar[str | None] = contextvars.ContextVar("bitfuse
 
 
 def check_tier(tier: str) -> str:
+    """`tier` if it is a known tier, else ValueError naming the choices."""
     if tier not in TIERS:
         raise ValueError(f"unknown quality tier {tier!r}; choose one of {', '.join(TIERS)}")
     return tier
@@ -84,10 +94,12 @@ class FallbackWarning(UserWarning):
 
 @dataclass
 class Verdict:
+    """The gate's finding for one signature: "verified", "mismatch" or "error"."""
+
     op: str
-    mode: str
+    tier: str
     signature: str
-    status: str  # "verified" | "mismatch" | "error"
+    status: str
     device: str
     detail: str = ""
 
@@ -111,27 +123,24 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-_compiling, _capturing = compiling, capturing
-
-
 def _describe(key: tuple) -> str:
-    op, mode, sig = key
+    op, tier, sig = key
     parts = []
     for p in sig:
         if isinstance(p, torch.dtype):
             parts.append(str(p).replace("torch.", ""))
         elif isinstance(p, int) or p is None:
-            parts.append(f"cuda:{p}")
+            parts.append(f"cuda:{p}" if p is None or p >= 0 else "cpu")
         else:
             parts.append(str(p))
-    return f"{op}[{mode}] " + " ".join(parts)
+    return f"{op}[{tier}] " + " ".join(parts)
 
 
 def _device_name(key: tuple) -> str:
     index = next((p for p in key[2] if isinstance(p, int)), None)
-    if index is not None and torch.cuda.is_available():
+    if index is not None and index >= 0 and torch.cuda.is_available():
         return torch.cuda.get_device_name(index)
-    return "unknown device"
+    return "CPU" if index is not None and index < 0 else "unknown device"
 
 
 def _record(key: tuple, status: str, detail: str = "") -> Verdict:
@@ -139,77 +148,81 @@ def _record(key: tuple, status: str, detail: str = "") -> Verdict:
     _verdicts[key] = verdict
     _state[key] = status == "verified"
     if status != "verified":
+        fallback = "the lossless path" if key[1] == "high" else "eager PyTorch"
         warnings.warn(
             f"bitfuse: {verdict.signature} on {verdict.device} "
-            f"{'disagreed with eager' if status == 'mismatch' else 'failed'}"
-            f"{': ' + detail if detail else ''}; this path now runs eager PyTorch for the rest of the process",
+            f"{'broke its contract' if status == 'mismatch' else 'failed'}"
+            f"{': ' + detail if detail else ''}; this path now runs {fallback} for the rest of the process",
             FallbackWarning,
             stacklevel=4,
         )
     return verdict
 
 
-def gated(op: str, mode: str, plan, fast: Callable, reference: Callable, args: tuple, magnitude=None,
-          ulps: int = 1):
-    """Run `fast(plan)` if its signature is verified here, else eager `reference(*args)`,
-    verifying at first sight. `mode` is "exact" (torch.equal) or "high": within
-    `ulps` ULPs of eager at the scale `magnitude(*args)` of the op's terms (or
-    within one ULP of the output, if no magnitude is given)."""
-    key = (op, mode, plan.key)
+def gated(spec: OpSpec, tier: str, plan, args: tuple, fallback=None):
+    """`spec.launch[tier](plan)` if that signature keeps its contract here, else
+    `fallback(*args)` (default: eager `spec.reference(*args)`), verifying at first
+    sight. `tier` is the kernel's tier (`spec.kernel_tier`); for "high" the
+    fallback should be the lossless path."""
+    key = (spec.name, tier, plan.key)
     state = _state.get(key)
     if state is True and not VERIFY_ALWAYS:
         try:
-            return fast(plan)
+            return spec.launch[tier](plan)
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:
-            if _compiling() or _capturing():
+            if compiling() or capturing():
                 raise
             with _lock:
                 _record(key, "error", f"{type(exc).__name__}: {exc}")
-            return reference(*args)
-    if state is False:
-        return reference(*args)
-    if _compiling() or _capturing():
-        # no verification here: a verified path may run (above), an unverified one may not
-        return reference(*args)
-    return _verify(key, plan, fast, reference, args, magnitude, ulps)
+            return (fallback or spec.reference)(*args)
+    if state is False or compiling() or capturing():
+        # never verified inside tracing or capture: an unverified path may not run there
+        return (fallback or spec.reference)(*args)
+    return _verify(key, spec, tier, plan, args, fallback)
 
 
-def _verify(key, plan, fast, reference, args, magnitude, ulps):
+def _poisoned(ref):
+    if ref.__class__ is tuple:
+        return tuple(_poisoned(r) for r in ref)
+    return torch.full(ref.shape, float("nan"), dtype=ref.dtype, device=ref.device)
+
+
+def _verify(key, spec: OpSpec, tier: str, plan, args: tuple, fallback):
     with _lock:
-        if _state.get(key) is False:
-            return reference(*args)
+        state = _state.get(key)  # another thread may have reached the verdict while this one waited
+        if state is False:
+            return (fallback or spec.reference)(*args)
+        if state is True and not VERIFY_ALWAYS:
+            return spec.launch[tier](plan)
+        ref = spec.reference(*args)
+        launch = spec.launch[tier]
         try:
-            # twice: the first launch compiles through Triton, the second takes the
-            # direct launcher (ops._pointwise.FastLaunch) that every later call uses
-            out, again = fast(plan), fast(plan)
+            # twice, each into a NaN-poisoned output: the first launch compiles through
+            # Triton, the second takes the direct launcher every later call uses
+            out, again = launch(plan, out=_poisoned(ref)), launch(plan, out=_poisoned(ref))
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:
             _record(key, "error", f"{type(exc).__name__}: {exc}")
-            return reference(*args)
-        ref = reference(*args)
-        if ref.__class__ is tuple:  # ops with several outputs (rotary of query and key) are exact
-            agree = all(same_values(o, r) and same_values(a, r) for o, a, r in zip(out, again, ref))
-        elif key[1] == "exact":
-            agree = same_values(out, ref) and same_values(again, ref)
-        elif magnitude is not None:
-            scale = magnitude(*args).maximum(ref.float().abs())
-            agree = within_one_ulp_at(out, ref, scale, ulps) and within_one_ulp_at(again, ref, scale, ulps)
+            return (fallback or spec.reference)(*args)
+        if tier == "high" and spec.reference64 is not None:
+            ref64, terms64 = spec.reference64(*args), spec.terms(*args)
+            why = high_contract(out, ref, ref64, terms64) or high_contract(again, ref, ref64, terms64)
         else:
-            agree = within_one_ulp(out, ref) and within_one_ulp(again, ref)
-        if agree:
+            pairs = tuple(zip(out, ref)) + tuple(zip(again, ref)) if ref.__class__ is tuple else ((out, ref), (again, ref))
+            why = None
+            if not all(same_bits(o, r) for o, r in pairs):
+                n = sum(differing(o, r) for o, r in pairs[: len(pairs) // 2])
+                total = sum(r.numel() for r in ref) if ref.__class__ is tuple else ref.numel()
+                why = f"{n} of {total} elements differ bitwise from eager"
+        if why is None:
             if key not in _verdicts:
                 _record(key, "verified")
             return out
-        pairs = zip(out, ref) if ref.__class__ is tuple else ((out, ref),)
-        n = sum(int((o != r).sum()) if o.shape == r.shape else r.numel() for o, r in pairs)
-        total = sum(r.numel() for r in ref) if ref.__class__ is tuple else ref.numel()
-        _record(key, "mismatch", f"{n} of {total} elements differ")
-        return ref
-
-
+        _record(key, "mismatch", why)
+        return ref if fallback is None else fallback(*args)
 def verdicts() -> list[Verdict]:
     """Every verdict reached in this process, in the order they were reached."""
     with _lock:

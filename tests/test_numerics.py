@@ -1,8 +1,10 @@
 """The gate's comparisons, on CPU."""
 
+import math
+
 import torch
 
-from bitfuse.numerics import exp2i, ulp_distance, ulp_of, within_one_ulp_at
+from bitfuse.numerics import differing, exp2i, high_contract, same_bits, ulp_distance, ulp_errors, ulp_of
 
 
 def test_exp2i_is_ldexp_over_the_whole_fp32_range():
@@ -19,10 +21,43 @@ def test_ulp_of_is_the_gap_to_the_next_value():
         assert torch.equal(next_up.float() - v.float(), ulp_of(v, dtype))
 
 
-def test_within_one_ulp_at_the_terms_scale():
-    a = torch.tensor([1.0, 1.0, 0.0078125], dtype=torch.bfloat16)
-    b = torch.tensor([1.0, 1.0078125, 0.0], dtype=torch.bfloat16)  # equal; one ULP of 1; far below 1's ULP
-    magnitude = torch.ones(3)
-    assert within_one_ulp_at(a, b, magnitude)
-    assert not within_one_ulp_at(a, b, torch.full((3,), 0.01))
-    assert int(ulp_distance(a, b).max()) > 1  # yet many ULPs of the output itself
+def test_same_bits_counts_signed_zeros_and_equates_nans():
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        a = torch.tensor([0.0, 1.0, math.nan, -math.inf], dtype=dtype)
+        assert same_bits(a, a.clone())
+        b = a.clone()
+        b[0] = -0.0
+        assert torch.equal(a[:2], b[:2]) and not same_bits(a, b) and differing(a, b) == 1
+        c = a.clone()
+        c[2] = -math.nan  # another NaN: still NaN
+        assert same_bits(a, c)
+        d = a.clone()
+        d[2] = 0.0  # a number where the other has NaN
+        assert not same_bits(a, d)
+        assert not same_bits(a, a.to(torch.float32 if dtype != torch.float32 else torch.float64))
+    strided = torch.zeros(4, 6)[:, ::2]
+    assert same_bits(strided, torch.zeros(4, 3)) and not same_bits(strided, -torch.zeros(4, 3))
+
+
+def test_ulps_at_the_terms_scale():
+    a = torch.tensor([1.0, 1.0078125, 0.0078125], dtype=torch.bfloat16)
+    ref64 = torch.tensor([1.0, 1.0, 0.0], dtype=torch.float64)
+    err = ulp_errors(a, ref64, torch.ones(3, dtype=torch.float64))
+    assert err.tolist() == [0.0, 1.0, 1.0]  # at the scale of 1.0, 2**-7 is one bf16 ULP
+    assert int(ulp_distance(a, ref64.to(torch.bfloat16)).max()) > 1  # yet many ULPs of the result itself
+
+
+def test_high_contract():
+    eager = torch.tensor([1.0, 2.0, math.nan, math.inf], dtype=torch.bfloat16)
+    ref64 = torch.tensor([1.0, 2.0, 0.0, 0.0], dtype=torch.float64)
+    terms = ref64.abs()
+    assert high_contract(eager.clone(), eager, ref64, terms) is None
+    off = eager.clone()
+    off[2] = 1.0  # a number where eager gives NaN: not eager's result
+    assert "NaN or infinite" in high_contract(off, eager, ref64, terms)
+    worse = eager.clone()
+    worse[0] = 1.0078125  # one ULP: within the bound, but eager was exact
+    assert "mean error" in high_contract(worse, eager, ref64, terms)
+    far = eager.clone()
+    far[1] = 2.0625  # four ULPs of 2.0
+    assert "ULP from the float64 value" in high_contract(far, eager, ref64, terms)

@@ -9,6 +9,7 @@ import torch
 
 import bitfuse
 from bitfuse import policy
+from bitfuse.ops.spec import OpSpec
 
 
 class Plan:
@@ -26,22 +27,34 @@ def _args():
 
 
 class Fast:
-    """A stand-in fast path: right, wrong, or raising, and counting its calls."""
+    """A stand-in kernel: right, wrong, or raising, counting its calls; like the real
+    launchers it writes into `out` when given one."""
 
-    def __init__(self, args, behaviour="right"):
-        self.args, self.behaviour, self.calls = args, behaviour, 0
+    def __init__(self, args, behaviour="right", fn=reference):
+        self.args, self.behaviour, self.calls, self.fn = args, behaviour, 0, fn
 
-    def __call__(self, plan):
+    def __call__(self, plan, out=None):
         self.calls += 1
         if self.behaviour == "raise":
             raise RuntimeError("kernel exploded")
-        out = reference(*self.args)
+        value = self.fn(*self.args)
         if self.behaviour == "wrong":
-            out = out.clone()
-            out[0, 0] = out[0, 0] + 1
-        if self.behaviour == "off-by-one-ulp":
-            out = torch.nextafter(out, torch.full_like(out, float("inf")))
+            value = value.clone()
+            value[0, 0] = value[0, 0] + 1
+        elif self.behaviour == "skips-a-row":  # a kernel that never writes row 0
+            if out is None:
+                out = torch.empty_like(value)
+            out[1:] = value[1:]
+            return out
+        if out is None:
+            return value
+        out.copy_(value)
         return out
+
+
+def spec(fast, ref=reference, name="op", **kw):
+    return OpSpec(name=name, reference=ref, plan=None, launch={"lossless": fast, "high": fast},
+                  tiers=("lossless", "high"), **kw)
 
 
 def test_verifies_once_then_caches():
@@ -54,26 +67,53 @@ def test_verifies_once_then_caches():
         return reference(*a)
 
     for _ in range(3):
-        out = policy.gated("op", "exact", Plan(), fast, ref, args)
+        out = policy.gated(spec(fast, ref), "lossless", Plan(), args)
         assert torch.equal(out, reference(*args))
     assert fast.calls == 4 and calls["ref"] == 1  # first sight runs the fast path twice, the reference once
     (v,) = bitfuse.verdicts()
-    assert v.status == "verified" and v.active and v.op == "op" and "bfloat16" in v.signature
+    assert v.status == "verified" and v.active and v.op == "op" and v.tier == "lossless" and "bfloat16" in v.signature
 
 
 def test_mismatch_disables_warns_once_and_returns_reference():
     args = _args()
     fast = Fast(args, "wrong")
-    with pytest.warns(policy.FallbackWarning, match="disagreed with eager"):
-        out = policy.gated("op", "exact", Plan(), fast, reference, args)
+    s = spec(fast)
+    with pytest.warns(policy.FallbackWarning, match="broke its contract"):
+        out = policy.gated(s, "lossless", Plan(), args)
     assert torch.equal(out, reference(*args))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no second warning
         for _ in range(3):
-            assert torch.equal(policy.gated("op", "exact", Plan(), fast, reference, args), reference(*args))
+            assert torch.equal(policy.gated(s, "lossless", Plan(), args), reference(*args))
     assert fast.calls == 2  # disabled for good after first sight
     (v,) = bitfuse.verdicts()
-    assert v.status == "mismatch" and "1 of 35 elements differ" in v.detail
+    assert v.status == "mismatch" and "1 of 35 elements differ bitwise" in v.detail
+
+
+def test_a_signed_zero_is_a_mismatch():
+    """Lossless means bitwise: -0.0 where eager gives +0.0 breaks it (torch.equal can't see it)."""
+    a = torch.tensor([[0.0, 1.0]])
+    b = torch.tensor([0.0, 0.0])
+
+    def negated_zero(a, b):
+        out = reference(a, b)
+        out[0, 0] = -0.0
+        return out
+
+    assert torch.equal(negated_zero(a, b), reference(a, b))
+    with pytest.warns(policy.FallbackWarning):
+        out = policy.gated(spec(Fast((a, b), fn=negated_zero)), "lossless", Plan(), (a, b))
+    assert out[0, 0].item() == 0.0 and not torch.signbit(out[0, 0])
+    assert "1 of 2 elements differ bitwise" in bitfuse.verdicts()[0].detail
+
+
+def test_a_kernel_that_leaves_outputs_unwritten_is_caught():
+    """First sight launches into NaN-poisoned outputs: stale memory that happens to hold
+    the right values can't pass for a write."""
+    args = _args()
+    with pytest.warns(policy.FallbackWarning):
+        policy.gated(spec(Fast(args, "skips-a-row")), "lossless", Plan(), args)
+    assert bitfuse.verdicts()[0].status == "mismatch"
 
 
 def test_a_launch_path_wrong_only_after_the_first_call_is_caught():
@@ -82,60 +122,62 @@ def test_a_launch_path_wrong_only_after_the_first_call_is_caught():
     args = _args()
 
     class SecondWrong(Fast):
-        def __call__(self, plan):
+        def __call__(self, plan, out=None):
             self.behaviour = "right" if self.calls == 0 else "wrong"
-            return super().__call__(plan)
+            return super().__call__(plan, out)
 
     with pytest.warns(policy.FallbackWarning):
-        out = policy.gated("op", "exact", Plan(), SecondWrong(args), reference, args)
+        out = policy.gated(spec(SecondWrong(args)), "lossless", Plan(), args)
     assert torch.equal(out, reference(*args)) and bitfuse.verdicts()[0].status == "mismatch"
 
 
 def test_exception_disables_and_returns_reference():
     args = _args()
     fast = Fast(args, "raise")
+    s = spec(fast)
     with pytest.warns(policy.FallbackWarning, match="kernel exploded"):
-        out = policy.gated("op", "exact", Plan(), fast, reference, args)
+        out = policy.gated(s, "lossless", Plan(), args)
     assert torch.equal(out, reference(*args))
     assert bitfuse.verdicts()[0].status == "error"
-    policy.gated("op", "exact", Plan(), fast, reference, args)
+    policy.gated(s, "lossless", Plan(), args)
     assert fast.calls == 1
 
 
 def test_verified_path_raising_later_falls_back_but_reraises_while_compiling(monkeypatch):
     args = _args()
     fast = Fast(args)
-    policy.gated("op", "exact", Plan(), fast, reference, args)
+    s = spec(fast)
+    policy.gated(s, "lossless", Plan(), args)
     fast.behaviour = "raise"
-    monkeypatch.setattr(policy, "_compiling", lambda: True)
+    monkeypatch.setattr(policy, "compiling", lambda: True)
     with pytest.raises(RuntimeError, match="kernel exploded"):
-        policy.gated("op", "exact", Plan(), fast, reference, args)
-    monkeypatch.setattr(policy, "_compiling", lambda: False)
+        policy.gated(s, "lossless", Plan(), args)
+    monkeypatch.setattr(policy, "compiling", lambda: False)
     with pytest.warns(policy.FallbackWarning):
-        out = policy.gated("op", "exact", Plan(), fast, reference, args)
+        out = policy.gated(s, "lossless", Plan(), args)
     assert torch.equal(out, reference(*args))
 
 
 def test_signatures_are_separate():
     args = _args()
     good, bad = Fast(args), Fast(args, "wrong")
-    policy.gated("op", "exact", Plan(), good, reference, args)
+    policy.gated(spec(good), "lossless", Plan(), args)
     with pytest.warns(policy.FallbackWarning):
-        policy.gated("op", "exact", Plan((torch.bfloat16, 0, "per-token", "per-token")), bad, reference, args)
-    policy.gated("op", "exact", Plan(), good, reference, args)
+        policy.gated(spec(bad), "lossless", Plan((torch.bfloat16, 0, "per-token", "per-token")), args)
+    policy.gated(spec(good), "lossless", Plan(), args)
     assert good.calls == 3
     assert sorted(v.status for v in bitfuse.verdicts()) == ["mismatch", "verified"]
 
 
-def _explode(plan):
+def _explode(plan, out=None):
     pytest.fail("the fast path ran while verification is forbidden")
 
 
-@pytest.mark.parametrize("where", ["_compiling", "_capturing"])
+@pytest.mark.parametrize("where", ["compiling", "capturing"])
 def test_no_verification_while_compiling_or_capturing(monkeypatch, where):
     monkeypatch.setattr(policy, where, lambda: True)
     args = _args()
-    out = policy.gated("op", "exact", Plan(), _explode, reference, args)
+    out = policy.gated(spec(_explode), "lossless", Plan(), args)
     assert torch.equal(out, reference(*args))
     assert bitfuse.verdicts() == []  # no verdict reached there
 
@@ -143,10 +185,10 @@ def test_no_verification_while_compiling_or_capturing(monkeypatch, where):
 def test_verified_path_runs_inside_capture(monkeypatch):
     args = _args()
     fast = Fast(args)
-    policy.gated("op", "exact", Plan(), fast, reference, args)
-    monkeypatch.setattr(policy, "_capturing", lambda: True)
+    policy.gated(spec(fast), "lossless", Plan(), args)
+    monkeypatch.setattr(policy, "capturing", lambda: True)
     monkeypatch.setattr(policy, "_verify", lambda *a: pytest.fail("verified inside capture"))
-    policy.gated("op", "exact", Plan(), fast, reference, args)
+    policy.gated(spec(fast), "lossless", Plan(), args)
     assert fast.calls == 3
 
 
@@ -160,39 +202,85 @@ def test_verify_always_compares_every_call(monkeypatch):
         calls["ref"] += 1
         return reference(*a)
 
+    s = spec(fast, ref)
     for _ in range(3):
-        policy.gated("op", "exact", Plan(), fast, ref, args)
+        policy.gated(s, "lossless", Plan(), args)
     assert calls["ref"] == 3
     fast.behaviour = "wrong"
     with pytest.warns(policy.FallbackWarning):
-        out = policy.gated("op", "exact", Plan(), fast, ref, args)
+        out = policy.gated(s, "lossless", Plan(), args)
     assert torch.equal(out, reference(*args))
 
 
-def test_high_mode_accepts_one_ulp_and_rejects_more():
-    args = _args()
-    close = Fast(args, "off-by-one-ulp")
-    policy.gated("op", "high", Plan(), close, reference, args)
+# ---------------------------------------------------------------- the high contract
+
+
+def _identity_spec(fast):
+    """An op whose eager result is exact (identity in bf16), so eager's error is 0."""
+    return spec(fast, ref=lambda a: a.clone(), name="identity",
+                reference64=lambda a: a.double(), terms=lambda a: a.double().abs())
+
+
+def _bf16():
+    return (torch.randn(64, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16),)
+
+
+def test_high_accepts_eager_accuracy():
+    args = _bf16()
+    policy.gated(_identity_spec(Fast(args, fn=lambda a: a.clone())), "high", Plan(), args)
     assert bitfuse.verdicts()[0].status == "verified"
-    with pytest.warns(policy.FallbackWarning):
-        policy.gated("op", "exact", Plan(), close, reference, args)  # the same output is not lossless
-    far = Fast(args, "wrong")
-    with pytest.warns(policy.FallbackWarning):
-        policy.gated("op2", "high", Plan(), far, reference, args)
 
 
-def test_high_mode_scales_ulps_by_the_terms():
-    """Under cancellation an intermediate rounding moves a tiny result by many of
-    its own ULPs; the criterion measures ULPs at the scale of the terms."""
+def test_high_rejects_a_mean_error_above_eagers_and_takes_the_fallback():
+    """One ULP off everywhere is within the bound but less accurate than eager (exact
+    here): the fallback (the lossless path) runs instead."""
+    args = _bf16()
+    up = Fast(args, fn=lambda a: torch.nextafter(a, torch.full_like(a, float("inf"))))
+    with pytest.warns(policy.FallbackWarning, match="mean error"):
+        out = policy.gated(_identity_spec(up), "high", Plan(), args, fallback=lambda a: a + 0)
+    assert torch.equal(out, args[0])
+
+
+def test_high_rejects_more_than_one_ulp():
+    args = _bf16()
+
+    def two_up(a):
+        inf = torch.full_like(a, float("inf"))
+        return torch.nextafter(torch.nextafter(a, inf), inf)
+
+    with pytest.warns(policy.FallbackWarning, match="ULP from the float64 value"):
+        policy.gated(_identity_spec(Fast(args, fn=two_up)), "high", Plan(), args)
+
+
+def test_high_accepts_one_rounding_where_eager_rounds_three_times():
+    """x * (1 + s) + h in bf16: eager rounds after each op; one fp32 evaluation rounded
+    once is closer to the float64 value, so it keeps the contract."""
+    g = torch.Generator().manual_seed(2)
+    x, s, h = (torch.randn(256, 512, generator=g).to(torch.bfloat16) for _ in range(3))
+
+    def once(x, s, h):
+        return (x.float() * (1 + s.float()) + h.float()).to(torch.bfloat16)
+
+    op = OpSpec(name="modulate-ish", reference=lambda x, s, h: x * (1 + s) + h, plan=None,
+                launch={"high": Fast((x, s, h), fn=once)}, tiers=("lossless", "high"),
+                reference64=lambda x, s, h: x.double() * (1 + s.double()) + h.double(),
+                terms=lambda x, s, h: (x.double() * (1 + s.double())).abs().maximum(h.double().abs()))
+    policy.gated(op, "high", Plan(), (x, s, h))
+    assert bitfuse.verdicts()[0].status == "verified"
+    assert not torch.equal(once(x, s, h), x * (1 + s) + h)  # and it is not eager's bits
+
+
+def test_high_counts_ulps_at_the_terms_scale():
+    """Under cancellation an intermediate rounding moves a tiny result by many of its own
+    ULPs; the contract measures ULPs at the scale of the terms."""
     a = torch.tensor([1.0, 2.0])
     b = torch.tensor([-1.0 + 2**-20, 3.0])
-    plan = Plan()
-
-    def fast(plan):
-        return torch.tensor([2**-20 + 2**-24, 5.0])  # 16 ULPs of the result, far below one ULP of 1.0
-
-    out = policy.gated("sum", "high", plan, fast, lambda a, b: a + b, (a, b),
-                       lambda a, b: a.abs().maximum(b.abs()))
+    fast = Fast((a, b), fn=lambda a, b: torch.tensor([2**-20 + 2**-24, 5.0]))  # 16 ULPs of the result
+    op = OpSpec(name="sum", reference=lambda a, b: torch.tensor([2**-20 + 2**-23, 5.0]), plan=None,
+                launch={"high": fast}, tiers=("lossless", "high"),
+                reference64=lambda a, b: a.double() + b.double(),
+                terms=lambda a, b: a.double().abs().maximum(b.double().abs()))
+    out = policy.gated(op, "high", Plan(), (a, b))
     assert bitfuse.verdicts()[0].status == "verified"
     assert out[0] == 2**-20 + 2**-24
 
@@ -200,8 +288,7 @@ def test_high_mode_scales_ulps_by_the_terms():
 def test_nan_inputs_do_not_count_as_mismatch():
     x = torch.tensor([[float("nan"), 1.0, float("inf")]])
     b = torch.tensor([0.5, 0.25, -1.0])
-    fast = Fast((x, b))
-    out = policy.gated("op", "exact", Plan(), fast, reference, (x, b))
+    out = policy.gated(spec(Fast((x, b))), "lossless", Plan(), (x, b))
     assert bitfuse.verdicts()[0].status == "verified"
     assert out.isnan()[0, 0] and out[0, 1] == 1.25
 
@@ -209,12 +296,13 @@ def test_nan_inputs_do_not_count_as_mismatch():
 def test_threads_verify_once():
     args = _args()
     fast = Fast(args)
+    s = spec(fast)
     barrier = threading.Barrier(8)
     results = []
 
     def worker():
         barrier.wait()
-        results.append(policy.gated("op", "exact", Plan(), fast, reference, args))
+        results.append(policy.gated(s, "lossless", Plan(), args))
 
     threads = [threading.Thread(target=worker) for _ in range(8)]
     for t in threads:
@@ -222,7 +310,10 @@ def test_threads_verify_once():
     for t in threads:
         t.join()
     assert len(results) == 8 and all(torch.equal(r, reference(*args)) for r in results)
-    assert len(bitfuse.verdicts()) == 1
+    assert len(bitfuse.verdicts()) == 1 and fast.calls == 2 + 7
+
+
+# ---------------------------------------------------------------- tiers and environment
 
 
 def test_quality_context_is_per_thread():
@@ -270,8 +361,9 @@ def test_env_flags(monkeypatch):
     policy.reload_env()
     assert policy.DISABLED and policy.VERIFY_ALWAYS
     monkeypatch.setenv("BITFUSE_VERIFY", "sometimes")
-    with pytest.raises(ValueError, match="BITFUSE_VERIFY"):
+    with pytest.warns(UserWarning, match="BITFUSE_VERIFY='sometimes'"):
         policy.reload_env()
+    assert not policy.VERIFY_ALWAYS
     monkeypatch.delenv("BITFUSE_DISABLE")
     monkeypatch.delenv("BITFUSE_VERIFY")
     policy.reload_env()

@@ -1,23 +1,28 @@
-"""Kernels: one file per op holding the Triton kernel, its launcher, the
-registered custom op and the eager reference. Each function here is guarded
-but ungated: the kernel where the guard allows it, else the eager reference
-(the sites add the first-sight gate and the tiers)."""
+"""Kernels: one file per op holding its Triton kernel, planner (the guard),
+launcher, registered custom op, eager reference and its `OpSpec`; shared
+kernel code in `_launch` (launch core), `_params` (rows and parameters) and
+`_norm` (the norm kernels' base). Functions here are guarded but ungated: the
+kernel where the guard allows it, else the eager reference (the sites add the
+first-sight gate and the tiers).
 
-from .gated_residual import gated_residual, gated_residual_reference
-from .layer_norm_modulate import layer_norm_modulate, layer_norm_modulate_reference
-from .modulate import modulate, modulate_reference
-from .rms_norm_modulate import rms_norm_modulate, rms_norm_modulate_reference
-from .rotary import rotary, rotary_reference
+`SPECS` maps each op's name to its declaration; the gate, `bitfuse verify`,
+the benchmarks, the fuzz run and the tests iterate over it.
+"""
 
-__all__ = [
-    "modulate",
-    "modulate_reference",
-    "gated_residual",
-    "gated_residual_reference",
-    "rms_norm_modulate",
-    "rms_norm_modulate_reference",
-    "layer_norm_modulate",
-    "layer_norm_modulate_reference",
-    "rotary",
-    "rotary_reference",
-]
+from . import gated_residual, layer_norm_modulate, modulate, rms_norm_modulate, rotary
+from .spec import TIERS, OpSpec
+
+SPECS: dict[str, OpSpec] = {
+    spec.name: spec
+    for spec in (
+        modulate.SPEC,
+        gated_residual.SPEC,
+        *rms_norm_modulate.SPECS.values(),
+        rms_norm_modulate.RMS_NORM_SPEC,
+        layer_norm_modulate.SPEC,
+        *rotary.SPECS.values(),
+    )
+}
+
+__all__ = ["SPECS", "TIERS", "OpSpec", "modulate", "gated_residual", "rms_norm_modulate", "layer_norm_modulate",
+           "rotary"]

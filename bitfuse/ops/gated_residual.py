@@ -1,9 +1,15 @@
 """Gated residual: `x + y * gate`.
 
+Shapes: x and y [B, S, D] or [N, D] (the same shape, any strides); gate
+broadcasts to x like an adaLN parameter (per-sample, per-token, shared, strided
+views, or `Folded`). One dtype throughout: bf16, fp16 or fp32. Output: a new
+contiguous tensor of x's shape and dtype.
+
 The kernel reproduces eager's two roundings (after the product, after the
-sum) with FMA contraction off; as for modulate, every tier gets the exact
-result. `x` and `y` have the output's shape; `gate` broadcasts like an adaLN
-parameter (per-sample, per-token, shared, strided views).
+sum) with FMA contraction off. Written `gate * y` (FLUX's
+`gate.unsqueeze(1) * out`), the product is the same: floating-point
+multiplication commutes bitwise. As for modulate, every tier gets the exact
+result.
 """
 
 from __future__ import annotations
@@ -12,25 +18,32 @@ from typing import NamedTuple
 
 import torch
 
-from ._pointwise import (
+from . import cases
+from ._launch import (
     HAS_TRITON,
     FastLaunch,
-    Folded,
+    GeometryCache,
     Recipe,
+    cdiv,
+    inference_only,
+    jit,
+    needs_int64,
+    tl,
+)
+from ._params import (
+    Folded,
     Rows,
     broadcast_strides,
-    cdiv,
     common_device_dtype,
-    jit,
     launch_shape,
     layout_class,
-    needs_int64,
+    load_row_param,
+    pointwise_tile,
     rows_of,
     table_of,
-    tl,
     value,
 )
-from .modulate import _param
+from .spec import OpSpec
 
 # ---------------------------------------------------------------- kernel
 
@@ -49,20 +62,9 @@ def _gated_residual_kernel(
     INT64: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    NCB: tl.constexpr,  # column blocks a row (a constant: no integer division before the loads)
+    NCB: tl.constexpr,
 ):
-    # program (row chunk * NCB + column block, sample b): column blocks fastest, so
-    # consecutive programs read consecutive memory (2048-column blocks, 6144 x 4096
-    # bf16 on the H200: 26.3 us, against 27.1 with rows fastest in an earlier run)
-    b = tl.program_id(2)
-    pid = tl.program_id(0)
-    rc = pid // NCB
-    s = rc * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = (pid - rc * NCB) * BLOCK_D + tl.arange(0, BLOCK_D)
-    if INT64:
-        b = b.to(tl.int64)
-        s = s.to(tl.int64)
-        cols = cols.to(tl.int64)
+    b, s, cols = pointwise_tile(INT64, BLOCK_R, BLOCK_D, NCB)
     if EVEN:  # S % BLOCK_R == 0 and D % BLOCK_D == 0: no masks
         col_ok = None
         mask = None
@@ -70,22 +72,15 @@ def _gated_residual_kernel(
         col_ok = cols < D
         mask = (s < S)[:, None] & col_ok[None, :]
 
-    x_off = (b * x_sb + s * x_ss)[:, None] + (cols * x_sd)[None, :]
-    y_off = (b * y_sb + s * y_ss)[:, None] + (cols * y_sd)[None, :]
     dtype = out_ptr.dtype.element_ty
-    x = tl.load(x_ptr + x_off, mask=mask).to(tl.float32)
-    y = tl.load(y_ptr + y_off, mask=mask).to(tl.float32)
-    if GATE_PER_ROW:
-        g_off = (b * g_sb + s * g_ss)[:, None] + (cols * g_sd)[None, :]
-        gate = _param(gate_ptr, g_off, mask, gate_table_ptr, cols * gt_sd, col_ok, GATE_TABLE, dtype, False)
-    else:  # loaded once per program and kept in L2
-        gate = _param(gate_ptr, b * g_sb + cols * g_sd, col_ok, gate_table_ptr, cols * gt_sd, col_ok,
-                      GATE_TABLE, dtype, True)[None, :]
+    x = tl.load(x_ptr + ((b * x_sb + s * x_ss)[:, None] + (cols * x_sd)[None, :]), mask=mask).to(tl.float32)
+    y = tl.load(y_ptr + ((b * y_sb + s * y_ss)[:, None] + (cols * y_sd)[None, :]), mask=mask).to(tl.float32)
+    gate = load_row_param(gate_ptr, b, s, cols, g_sb, g_ss, g_sd, mask, col_ok, gate_table_ptr, gt_sd,
+                          GATE_PER_ROW, GATE_TABLE, dtype)
 
     m = (y * gate).to(dtype).to(tl.float32)  # eager: y * gate
     out = x + m  # eager: x + m
-    o_off = ((b * S + s) * D)[:, None] + cols[None, :]
-    tl.store(out_ptr + o_off, out.to(dtype), mask=mask)
+    tl.store(out_ptr + (((b * S + s) * D)[:, None] + cols[None, :]), out.to(dtype), mask=mask)
 
 
 _launch = FastLaunch(_gated_residual_kernel, ("GATE_PER_ROW", "GATE_TABLE", "EVEN", "INT64", "BLOCK_R", "BLOCK_D", "NCB"))
@@ -109,10 +104,10 @@ class GatedResidualPlan(NamedTuple):
     gate_table: torch.Tensor | None = None  # Folded gate: the table row added on the fly
 
 
-_geometry: dict = {}  # (shapes, strides, dtype, device, table) -> the guard's work and launch, once per layout
+_geometry = GeometryCache()
 
 
-def plan_gated_residual(x, y, gate) -> GatedResidualPlan | str:
+def plan_gated_residual(x, y, gate, tier: str = "lossless") -> GatedResidualPlan | str:
     """The guard: a plan for the kernel, or the reason the call takes the reference.
     `gate` may be Folded (table row + temb, added with eager's rounding)."""
     if not HAS_TRITON:
@@ -127,12 +122,7 @@ def plan_gated_residual(x, y, gate) -> GatedResidualPlan | str:
         return why
     cache_key = (x.shape, x.stride(), y.shape, y.stride(), gate.shape, gate.stride(), x.dtype, x.get_device(),
                  table is None or table.stride())
-    geometry = _geometry.get(cache_key)
-    if geometry is None:
-        geometry = _geometry_of(x, y, gate, table)
-        if len(_geometry) >= 4096:
-            _geometry.clear()
-        _geometry[cache_key] = geometry
+    geometry = _geometry.get(cache_key, _geometry_of, x, y, gate, table)
     if geometry.__class__ is str:
         return geometry
     return GatedResidualPlan(x, y, gate, *geometry, table)
@@ -140,8 +130,8 @@ def plan_gated_residual(x, y, gate) -> GatedResidualPlan | str:
 
 def _geometry_of(x, y, gate, table=None, wide=None):
     """The guard's per-layout work and the default launch (`wide`: force int64 offsets, for tests)."""
-    rows = rows_of(x)
-    if rows is None:
+    r = rows_of(x)
+    if r is None:
         return f"x must be 2-D or 3-D, got {x.dim()}-D"
     if x.numel() == 0:
         return "empty tensor"
@@ -150,13 +140,13 @@ def _geometry_of(x, y, gate, table=None, wide=None):
     g = broadcast_strides(gate, x.shape)
     if g is None:
         return "gate does not broadcast to x's shape"
-    r, yr = rows, rows_of(y)
+    yr = rows_of(y)
     wide = wide or r.B * r.S * r.D >= 2**31 or needs_int64(
         (r.B, r.sb), (r.S, r.ss), (r.D, r.sd), (r.B, yr.sb), (r.S, yr.ss), (r.D, yr.sd), (r.B, g[0]), (r.S, g[1]), (r.D, g[2])
     )
     key = (x.dtype, x.get_device(), layout_class(g, gate) + ("+table" if table is not None else ""))
     config = launch_shape(r.D, r.B * r.S, x.element_size(), 3 + (g[1] != 0))
-    return rows, yr, g, key, wide, _recipe(r, yr, g, wide, table, config)
+    return r, yr, g, key, wide, _recipe(r, yr, g, wide, table, config)
 
 
 def _recipe(r: Rows, yr: Rows, g, wide, gt, config) -> Recipe:
@@ -170,7 +160,7 @@ def _recipe(r: Rows, yr: Rows, g, wide, gt, config) -> Recipe:
     )
 
 
-def launch_gated_residual(plan: GatedResidualPlan, config=None, out=None) -> torch.Tensor:
+def launch_gated_residual(plan: GatedResidualPlan, out=None, config=None) -> torch.Tensor:
     """Run the kernel for a guarded plan, into `out` (contiguous, x's shape) if given.
     `config` overrides (BLOCK_R, BLOCK_D, num_warps)."""
     x, gt = plan.x, plan.gate_table
@@ -182,9 +172,9 @@ def launch_gated_residual(plan: GatedResidualPlan, config=None, out=None) -> tor
 
 
 def gated_residual(x, y, gate) -> torch.Tensor:
-    """Guarded, ungated: the kernel where eligible, else the eager reference."""
+    """`x + y * gate`, guarded but ungated: the kernel where eligible, else the eager reference."""
     plan = plan_gated_residual(x, y, gate)
-    if isinstance(plan, str):
+    if plan.__class__ is str:
         return gated_residual_reference(x, y, gate)
     return launch_gated_residual(plan)
 
@@ -194,7 +184,7 @@ def gated_residual(x, y, gate) -> torch.Tensor:
 
 @torch.library.custom_op("bitfuse::gated_residual", mutates_args=())
 def gated_residual_op(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """Opaque op for torch.compile graphs and capture (eager callers launch directly)."""
+    """Opaque op for torch.compile graphs and capture (eager callers launch directly). Inference only."""
     return gated_residual(x, y, gate)
 
 
@@ -203,9 +193,40 @@ def _(x, y, gate):
     return gated_residual_reference(x, y, gate)
 
 
+inference_only(gated_residual_op)
+
+
 # ---------------------------------------------------------------- reference
 
 
 def gated_residual_reference(x, y, gate) -> torch.Tensor:
     """The eager expression, as models write it (a Folded gate materialised first)."""
     return x + y * value(gate)
+
+
+def _reference64(x, y, gate) -> torch.Tensor:
+    return x.double() + y.double() * value(gate).double()
+
+
+def _terms(x, y, gate) -> torch.Tensor:
+    return x.double().abs().maximum((y.double() * value(gate).double()).abs())
+
+
+def _make_args(case: cases.Case) -> tuple:
+    gen = case.generator()
+    x = cases.activation(case, gen)
+    y = cases.draw((case.B, case.S, case.D), case.dtype, case.data, gen, case.device)
+    (gate,) = cases.param(case, gen, 1)
+    return x, y, gate
+
+
+SPEC = OpSpec(
+    name="gated_residual",
+    reference=gated_residual_reference,
+    plan=plan_gated_residual,
+    launch={"lossless": launch_gated_residual},
+    reference64=_reference64,
+    terms=_terms,
+    make_args=_make_args,
+    layouts=cases.PARAM_LAYOUTS,
+)

@@ -42,14 +42,14 @@ without the divisions, count shuffles and tests (a quarter of the kernel's
 instructions; timings in bench/results/ops-*.json).
 Both kernels write their output with streaming stores, as rms_norm_modulate's do.
 
-HIGH MODE: one pass, x read once, mean and variance in fp32 from registers
-(two-pass over the registers, no Welford), then eager's modulate roundings
-(HIGH_ROUNDING as in rms_norm_modulate). Closer to the exact value than eager,
-and so not within one ULP of eager where eager is inaccurate: rows of constant
-or nearly constant value (Welford's mean is off by an ULP there, and
-rstd ~ 1/sqrt(eps) amplifies it), and, as for RMSNorm, where the summation
-order flips the rounding of n (8 elements in 10^6 in bf16, 5 in 10^5 in fp16 on
-randn rows; up to 2 ULP at the terms' scale).
+HIGH TIER (bf16/fp16): one pass, x read once, mean and variance in fp32 from
+registers (two passes over the registers, no Welford), then n * (1 + scale) +
+shift in fp32, rounded once: within 0.5 ULP of the float64 value at the scale
+of the modulate's terms (see rms_norm_modulate).
+
+Shapes: x [B, S, D] or [N, D] with a contiguous last dimension; scale, shift as
+for modulate (Folded parameters are materialised by the caller first); one
+dtype. Output: a new contiguous tensor of x's shape and dtype.
 """
 
 from __future__ import annotations
@@ -57,26 +57,39 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._pointwise import INTERPRET, FastLaunch, cdiv, jit, layout_class, next_pow2, tl
-from .modulate import modulate_reference
-from .rms_norm_modulate import (
-    MAX_D,
-    _check_operands,
-    _dummy_stats,
-    _modulate_tail,
-    _program_rows,
-    _row_kernel,
-    _rsqrt,
-    high_launch_shape,
+from . import cases
+from ._launch import (
+    INTERPRET,
+    FastLaunch,
+    cdiv,
+    inference_only,
+    jit,
+    next_pow2,
+    row_kernel,
+    tl,
 )
+from ._norm import (
+    MAX_D,
+    check_operands,
+    dummy_stats,
+    high_launch_shape,
+    layer_norm64,
+    modulate_once,
+    modulated64,
+    modulated_terms64,
+    program_rows,
+    rsqrt,
+)
+from ._params import layout_class
+from .modulate import modulate_reference
+from .spec import OpSpec
 
-# FMA contractions of aten's nvcc build (measured: bench/explore_norm.py)
+# FMA contractions of aten's nvcc build (measured on the H200: bench/NOTES.md, "Norm kernels")
 WELFORD_FMA = True  # per-thread Welford update: two FMAs
 MEAN_V = 0  # combine mean: 0 fma(nA, mA, nB*mB), 1 fma(nB, mB, nA*mA), 2 no FMA
 SIG_FMA = True  # combine m2: fma((d*d)*cA, nB, sA + sB)
 RSQRT_ASM = False
 PASS2 = 2  # second pass: 0 x kept in registers, 1 reload, 2 reload as wide tiles
-HIGH_ROUNDING = 2  # high mode's modulate roundings (rms_norm_modulate._modulate_tail)
 
 LANES = 128  # aten's num_threads(): 4 warps of 32
 
@@ -155,16 +168,17 @@ def _combine_halves(mean, m2, cnt, R: tl.constexpr, G: tl.constexpr, H: tl.const
 @jit
 def _halves(v, R: tl.constexpr, G: tl.constexpr, H: tl.constexpr):
     """[R, G, 2H] -> (v[..., :H], v[..., H:]), as sums over a size-2 axis with the
-    other half zeroed (exact; lowers to warp shuffles, where a permute + split
-    went through shared memory and replicated the tree in every thread)."""
+    other half replaced by -0.0 (exact, signed zeros included: -0.0 is the identity
+    of +, where 0.0 + -0.0 would give +0.0; lowers to warp shuffles, where a permute
+    + split went through shared memory and replicated the tree in every thread)."""
     v4 = tl.reshape(v, [R, G, 2, H])
     upper = (tl.arange(0, 2) == 1)[None, None, :, None]
-    lo = tl.sum(tl.where(upper, 0.0, v4), axis=2)
-    hi = tl.sum(tl.where(upper, v4, 0.0), axis=2)
+    lo = tl.sum(tl.where(upper, -0.0, v4), axis=2)
+    hi = tl.sum(tl.where(upper, v4, -0.0), axis=2)
     return lo, hi
 
 
-@_row_kernel("S", "write_stats")
+@row_kernel("S", "write_stats")
 def _layer_norm_modulate_exact_kernel(
     x_ptr, scale_ptr, shift_ptr, out_ptr, stats_ptr,
     S, write_stats,
@@ -184,7 +198,7 @@ def _layer_norm_modulate_exact_kernel(
     L: tl.constexpr = 128
     NV: tl.constexpr = D // 4
     NJ: tl.constexpr = (NV + L - 1) // L
-    b, s, r64, rmask = _program_rows(S, R)
+    b, s, r64, rmask = program_rows(S, R)
     lane = tl.arange(0, L)
     within = (lane * 4)[:, None] + tl.arange(0, 4)[None, :]
     x_row = b * x_sb + s * x_ss
@@ -235,7 +249,7 @@ def _layer_norm_modulate_exact_kernel(
                                     C0 << 5, MEAN_V, SIG_FMA)
     mean, m2, cnt = _combine_halves(mean, m2, cnt, R, 1, 1, C0 << 6, MEAN_V, SIG_FMA)
     mean = tl.reshape(mean, [R])
-    rstd = _rsqrt(tl.math.div_rn(tl.reshape(m2, [R]), fD) + eps, RSQRT_ASM)
+    rstd = rsqrt(tl.math.div_rn(tl.reshape(m2, [R]), fD) + eps, RSQRT_ASM)
     # per-row statistics for the device checks (write_stats = 0 in production)
     smask = rmask & (tl.full([R], write_stats, tl.int32) != 0)
     tl.store(stats_ptr + r64 * 2, mean, mask=smask)
@@ -271,7 +285,7 @@ def _layer_norm_modulate_exact_kernel(
             tl.store(out_ptr + (o_base + col), (p + shift).to(dtype), mask=m, cache_modifier=".cs")
 
 
-@_row_kernel("S")
+@row_kernel("S")
 def _layer_norm_modulate_high_kernel(
     x_ptr, scale_ptr, shift_ptr, out_ptr,
     S, D,
@@ -279,11 +293,10 @@ def _layer_norm_modulate_high_kernel(
     c_sb, c_ss, c_sd,
     h_sb, h_ss, h_sd,
     eps, inv_d,
-    ROUNDING: tl.constexpr,
     R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    b, s, r64, rmask = _program_rows(S, R)
+    b, s, r64, rmask = program_rows(S, R)
     cols = tl.arange(0, BLOCK_D)
     m = rmask[:, None] & (cols < D)[None, :]
     x = tl.load(
@@ -295,7 +308,7 @@ def _layer_norm_modulate_high_kernel(
     rstd = tl.math.rsqrt(tl.sum(xc * xc, axis=1) * inv_d + eps)
     scale = tl.load(scale_ptr + ((b * c_sb + s * c_ss)[:, None] + cols[None, :] * c_sd), mask=m, other=0.0)
     shift = tl.load(shift_ptr + ((b * h_sb + s * h_ss)[:, None] + cols[None, :] * h_sd), mask=m, other=0.0)
-    y = _modulate_tail(xc * rstd[:, None], scale, shift, out_ptr.dtype.element_ty, ROUNDING)
+    y = modulate_once(xc * rstd[:, None], scale, shift, out_ptr.dtype.element_ty)
     tl.store(out_ptr + ((r64 * D)[:, None] + cols[None, :]), y, mask=m, cache_modifier=".cs")
 
 
@@ -307,46 +320,43 @@ _launch_high = FastLaunch(_layer_norm_modulate_high_kernel)
 
 
 class LayerNormModulatePlan:
-    """A call that passed the guard: operands, geometry and the gate key."""
+    """A call that passed the guard: operands, geometry, the kernel and the gate key."""
 
-    __slots__ = ("x", "scale", "shift", "rows", "c_strides", "h_strides", "eps", "key")
+    __slots__ = ("x", "scale", "shift", "rows", "c_strides", "h_strides", "eps", "key", "exact")
 
-    def __init__(self, x, scale, shift, rows, c_strides, h_strides, eps, key):
+    def __init__(self, x, scale, shift, rows, c_strides, h_strides, eps, key, exact):
         self.x, self.scale, self.shift = x, scale, shift
         self.rows, self.c_strides, self.h_strides = rows, c_strides, h_strides
-        self.eps, self.key = eps, key
+        self.eps, self.key, self.exact = eps, key, exact
 
 
-def plan_layer_norm_modulate(x, scale, shift, eps, exact: bool = True):
-    """The guard: a plan for the kernel, or the reason the call takes the reference."""
-    return _plan(x, scale, shift, eps, exact)
-
-
-def _plan(x, scale, shift, eps, exact, cpu_ok=False):
-    checked = _check_operands(x, scale, shift, cpu_ok=cpu_ok)
-    if isinstance(checked, str):
+def plan_layer_norm_modulate(x, scale, shift, eps, tier: str = "lossless"):
+    """The guard: a plan for the kernel of `tier` ("lossless": aten's Welford order,
+    bit-exact; "high": one pass, one rounding; fp32 x always takes the lossless
+    kernel), or the reason the call takes the reference."""
+    checked = check_operands(x, scale, shift)
+    if checked.__class__ is str:
         return checked
     rows, c, h = checked
     D = rows.D
     if D > MAX_D:
         return f"D={D} > {MAX_D}: row too wide for the register-resident kernels"
+    exact = tier != "high" or x.dtype is torch.float32
     if exact:
         if D % 4:
             return f"D={D} is not a multiple of 4 (aten takes RowwiseMomentsCUDAKernel)"
         if x.is_contiguous() and x.data_ptr() % (4 * x.element_size()):
             return "x is not 4-element aligned (aten takes RowwiseMomentsCUDAKernel)"
-    key = (x.dtype, x.get_device(), layout_class(c, scale), layout_class(h, shift), "layer_norm", f"D={D}")
-    return LayerNormModulatePlan(x, scale, shift, rows, c, h, float(eps), key)
+    key = (x.dtype, x.get_device(), layout_class(c, scale), layout_class(h, shift), "layer_norm", f"D={D}",
+           "welford" if exact else "one-pass")
+    return LayerNormModulatePlan(x, scale, shift, rows, c, h, float(eps), key, exact)
 
 
-def exact_launch_shape(plan, elem_bytes: int) -> tuple[int, int]:
+def exact_launch_shape(plan) -> tuple[int, int]:
     """(R, num_warps) for the exact kernel (the reduction order does not depend on
-    them). Measured on the H200 at 6144 rows of bf16, timed interleaved: D = 4096
-    per-sample one row on 2 warps (29.8-30.5 us; two rows on 4 warps took 31.7-32.0
-    on some machines and 34.6-35.1 or 45.6 on others: see bench/NOTES.md),
-    per-token two rows on 8 (48.7-49.5 against 49.6-50.2 for one on 4); D = 3072
-    one row on 4 (25.0 against 26.4). Elsewhere one row on 2 warps, 4 with
-    per-token parameters."""
+    them; measured on the H200, bench/NOTES.md "Norm launch shapes"): D = 4096
+    per-token two rows on 8 warps, D = 3072 one row on 4; elsewhere one row on 2
+    warps, 4 with per-token parameters."""
     per_token = plan.c_strides[1] != 0 or plan.h_strides[1] != 0
     return _EXACT_SHAPES.get((plan.rows.D, per_token), (1, 4 if per_token else 2))
 
@@ -354,21 +364,19 @@ def exact_launch_shape(plan, elem_bytes: int) -> tuple[int, int]:
 _EXACT_SHAPES = {(4096, True): (2, 8), (3072, False): (1, 4)}
 
 
-def launch_layer_norm_modulate(plan, exact: bool = True, config=None, out=None, stats=None) -> torch.Tensor:
+def launch_layer_norm_modulate(plan, out=None, config=None, stats=None) -> torch.Tensor:
     """Run the kernel for a guarded plan, into `out` (contiguous, x's shape) if given.
-    `config` overrides (R, num_warps, pass2) in exact mode, (R, num_warps) in high mode.
-    `stats` (fp32, 2 per row; exact mode) receives each row's mean and rstd."""
+    `config` overrides (R, num_warps[, pass2]) of the exact kernel, (R, num_warps) of
+    the one-pass kernel. `stats` (fp32, 2 per row; exact kernel) receives each row's
+    mean and rstd."""
     x, r = plan.x, plan.rows
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     tensors = (x, plan.scale, plan.shift, out)
-    if exact:
-        if config:
-            R, num_warps, pass2 = (tuple(config) + (PASS2,))[:3]
-        else:
-            (R, num_warps), pass2 = exact_launch_shape(plan, x.element_size()), PASS2
+    if plan.exact:
+        R, num_warps, pass2 = (tuple(config) + (PASS2,))[:3] if config else exact_launch_shape(plan) + (PASS2,)
         _launch_exact(
-            (cdiv(r.S, R), r.B), tensors + (_dummy_stats(x) if stats is None else stats,),
+            (cdiv(r.S, R), r.B), tensors + (dummy_stats(x) if stats is None else stats,),
             (r.S, int(stats is not None), r.sb, r.ss, *plan.c_strides, *plan.h_strides,
              plan.eps, float(r.D)),
             dict(D=r.D, WELFORD_FMA=WELFORD_FMA, MEAN_V=MEAN_V, SIG_FMA=SIG_FMA,
@@ -381,18 +389,19 @@ def launch_layer_norm_modulate(plan, exact: bool = True, config=None, out=None, 
         _launch_high(
             (cdiv(r.S, R), r.B), tensors,
             (r.S, r.D, r.sb, r.ss, *plan.c_strides, *plan.h_strides, plan.eps, 1.0 / r.D),
-            dict(ROUNDING=HIGH_ROUNDING, R=R, BLOCK_D=block_d),
-            dict(num_warps=num_warps, enable_fp_fusion=False),  # see rms_norm_modulate._modulate_tail
+            dict(R=R, BLOCK_D=block_d),
+            dict(num_warps=num_warps, enable_fp_fusion=False),  # see _norm.modulate_once
         )
     return out
 
 
-def layer_norm_modulate(x, scale, shift, eps: float, *, exact: bool = True) -> torch.Tensor:
-    """Guarded, ungated: the kernel where eligible, else the eager reference."""
-    plan = plan_layer_norm_modulate(x, scale, shift, eps, exact)
-    if isinstance(plan, str):
+def layer_norm_modulate(x, scale, shift, eps: float, *, tier: str = "lossless") -> torch.Tensor:
+    """`layer_norm(x) * (1 + scale) + shift`, guarded but ungated: the kernel of
+    `tier` where eligible, else the eager reference."""
+    plan = plan_layer_norm_modulate(x, scale, shift, eps, tier)
+    if plan.__class__ is str:
         return layer_norm_modulate_reference(x, scale, shift, eps)
-    return launch_layer_norm_modulate(plan, exact)
+    return launch_layer_norm_modulate(plan)
 
 
 # ---------------------------------------------------------------- torch.library
@@ -400,8 +409,8 @@ def layer_norm_modulate(x, scale, shift, eps: float, *, exact: bool = True) -> t
 
 @torch.library.custom_op("bitfuse::layer_norm_modulate", mutates_args=())
 def layer_norm_modulate_op(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> torch.Tensor:
-    """Opaque op for torch.compile graphs and capture (exact mode; eager callers
-    launch directly: this boundary costs tens of microseconds a call)."""
+    """Opaque op for torch.compile graphs and capture (lossless; eager callers
+    launch directly: this boundary costs tens of microseconds a call). Inference only."""
     return layer_norm_modulate(x, scale, shift, eps)
 
 
@@ -410,8 +419,40 @@ def _(x, scale, shift, eps):
     return layer_norm_modulate_reference(x, scale, shift, eps)
 
 
+inference_only(layer_norm_modulate_op)
+
+
 # ---------------------------------------------------------------- reference
 
 
 def layer_norm_modulate_reference(x, scale, shift, eps: float) -> torch.Tensor:
+    """The eager expression: `F.layer_norm` without affine, then `n * (1 + scale) + shift`."""
     return modulate_reference(F.layer_norm(x, (x.shape[-1],), eps=eps), scale, shift)
+
+
+def _reference64(x, scale, shift, eps):
+    return modulated64(layer_norm64(x, eps), scale, shift)
+
+
+def _terms(x, scale, shift, eps):
+    return modulated_terms64(layer_norm64(x, eps), scale, shift)
+
+
+def _make_args(case: cases.Case) -> tuple:
+    gen = case.generator()
+    x = cases.activation(case, gen)
+    scale, shift = cases.param(case, gen, 2)
+    return x, scale, shift, 1e-6
+
+
+SPEC = OpSpec(
+    name="layer_norm_modulate",
+    reference=layer_norm_modulate_reference,
+    plan=plan_layer_norm_modulate,
+    launch={"lossless": launch_layer_norm_modulate, "high": launch_layer_norm_modulate},
+    tiers=("lossless", "high"),
+    reference64=_reference64,
+    terms=_terms,
+    make_args=_make_args,
+    layouts=tuple(layout for layout in cases.PARAM_LAYOUTS if not layout.startswith("folded")),
+)

@@ -1,5 +1,11 @@
 """adaLN modulation: `x * (1 + scale) + shift`.
 
+Shapes: x [B, S, D] or [N, D], any strides; scale and shift broadcast to x
+(per-sample [B, 1, D], per-token [B, S, D], shared [D], or strided views such
+as diffusers' `unbind` and `chunk` results, read in place), or `Folded`. One
+dtype throughout: bf16, fp16 or fp32 (mixed dtypes take eager's promotion, the
+reference). Output: a new contiguous tensor of x's shape and dtype.
+
 The kernel reproduces eager PyTorch bit for bit: eager runs three ops, each
 computing in fp32 ("opmath") and rounding to the storage dtype once, so the
 kernel rounds after `1 + scale`, after the product and after the sum. FMA
@@ -17,42 +23,33 @@ from typing import NamedTuple
 
 import torch
 
-from ._pointwise import (
+from . import cases
+from ._launch import (
     HAS_TRITON,
     FastLaunch,
+    GeometryCache,
     Recipe,
+    cdiv,
+    inference_only,
+    jit,
+    needs_int64,
+    tl,
+)
+from ._params import (
     Rows,
     broadcast_strides,
-    cdiv,
     common_device_dtype,
-    jit,
     launch_shape,
     layout_class,
-    needs_int64,
+    load_row_param,
+    pointwise_tile,
     rows_of,
     tables_of,
-    tl,
     value,
 )
+from .spec import OpSpec
 
 # ---------------------------------------------------------------- kernel
-
-
-@jit
-def _param(ptr, off, mask, table_ptr, t_off, t_mask, TABLE: tl.constexpr, dtype: tl.constexpr, KEEP: tl.constexpr):
-    """A parameter in fp32; with TABLE, `temb + table_row` first, rounded to the
-    storage dtype as eager's add in diffusers' get_mod_params rounds it. The row
-    (1-D, along the columns) broadcasts against a 2-D tile of rows. KEEP: a parameter
-    read by every program, kept in L2. (Every argument is passed: Triton 3.6 does not
-    wrap a jit helper's default values as constexprs.)"""
-    if KEEP:
-        p = tl.load(ptr + off, mask=mask, eviction_policy="evict_last")
-    else:
-        p = tl.load(ptr + off, mask=mask)
-    if TABLE:
-        row = tl.load(table_ptr + t_off, mask=t_mask, eviction_policy="evict_last")
-        p = (p.to(tl.float32) + row.to(tl.float32)).to(dtype)
-    return p.to(tl.float32)
 
 
 @jit
@@ -71,20 +68,9 @@ def _modulate_kernel(
     INT64: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    NCB: tl.constexpr,  # column blocks a row (a constant: no integer division before the loads)
+    NCB: tl.constexpr,
 ):
-    # program (row chunk * NCB + column block, sample b): column blocks fastest, so
-    # consecutive programs read consecutive memory (2048-column blocks, 6144 x 4096
-    # bf16 on the H200: 26.3 us, against 27.1 with rows fastest in an earlier run)
-    b = tl.program_id(2)
-    pid = tl.program_id(0)
-    rc = pid // NCB
-    s = rc * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = (pid - rc * NCB) * BLOCK_D + tl.arange(0, BLOCK_D)
-    if INT64:
-        b = b.to(tl.int64)
-        s = s.to(tl.int64)
-        cols = cols.to(tl.int64)
+    b, s, cols = pointwise_tile(INT64, BLOCK_R, BLOCK_D, NCB)
     if EVEN:  # S % BLOCK_R == 0 and D % BLOCK_D == 0: no masks, as Inductor's kernels
         col_ok = None
         mask = None
@@ -93,27 +79,16 @@ def _modulate_kernel(
         mask = (s < S)[:, None] & col_ok[None, :]
 
     dtype = out_ptr.dtype.element_ty
-    x_off = (b * x_sb + s * x_ss)[:, None] + (cols * x_sd)[None, :]
-    x = tl.load(x_ptr + x_off, mask=mask).to(tl.float32)
-    # a parameter that doesn't vary along S is loaded once per program and kept in L2
-    if SCALE_PER_ROW:
-        c_off = (b * c_sb + s * c_ss)[:, None] + (cols * c_sd)[None, :]
-        scale = _param(scale_ptr, c_off, mask, scale_table_ptr, cols * ct_sd, col_ok, SCALE_TABLE, dtype, False)
-    else:
-        scale = _param(scale_ptr, b * c_sb + cols * c_sd, col_ok, scale_table_ptr, cols * ct_sd, col_ok,
-                       SCALE_TABLE, dtype, True)[None, :]
-    if SHIFT_PER_ROW:
-        h_off = (b * h_sb + s * h_ss)[:, None] + (cols * h_sd)[None, :]
-        shift = _param(shift_ptr, h_off, mask, shift_table_ptr, cols * ht_sd, col_ok, SHIFT_TABLE, dtype, False)
-    else:
-        shift = _param(shift_ptr, b * h_sb + cols * h_sd, col_ok, shift_table_ptr, cols * ht_sd, col_ok,
-                       SHIFT_TABLE, dtype, True)[None, :]
+    x = tl.load(x_ptr + ((b * x_sb + s * x_ss)[:, None] + (cols * x_sd)[None, :]), mask=mask).to(tl.float32)
+    scale = load_row_param(scale_ptr, b, s, cols, c_sb, c_ss, c_sd, mask, col_ok, scale_table_ptr, ct_sd,
+                           SCALE_PER_ROW, SCALE_TABLE, dtype)
+    shift = load_row_param(shift_ptr, b, s, cols, h_sb, h_ss, h_sd, mask, col_ok, shift_table_ptr, ht_sd,
+                           SHIFT_PER_ROW, SHIFT_TABLE, dtype)
 
     t = (1.0 + scale).to(dtype).to(tl.float32)  # eager: 1 + scale
     p = (x * t).to(dtype).to(tl.float32)  # eager: x * t
     y = p + shift  # eager: p + shift
-    o_off = ((b * S + s) * D)[:, None] + cols[None, :]
-    tl.store(out_ptr + o_off, y.to(dtype), mask=mask)
+    tl.store(out_ptr + (((b * S + s) * D)[:, None] + cols[None, :]), y.to(dtype), mask=mask)
 
 
 _launch = FastLaunch(_modulate_kernel, ("SCALE_PER_ROW", "SHIFT_PER_ROW", "SCALE_TABLE", "SHIFT_TABLE", "EVEN", "INT64",
@@ -139,10 +114,10 @@ class ModulatePlan(NamedTuple):
     shift_table: torch.Tensor | None = None
 
 
-_geometry: dict = {}  # (shapes, strides, dtype, device, tables) -> the guard's work and launch, once per layout
+_geometry = GeometryCache()
 
 
-def plan_modulate(x, scale, shift) -> ModulatePlan | str:
+def plan_modulate(x, scale, shift, tier: str = "lossless") -> ModulatePlan | str:
     """The guard: a plan for the kernel, or the reason the call takes the reference."""
     if not HAS_TRITON:
         return "triton is not installed"
@@ -155,12 +130,7 @@ def plan_modulate(x, scale, shift) -> ModulatePlan | str:
         return why
     cache_key = (x.shape, x.stride(), scale.shape, scale.stride(), shift.shape, shift.stride(), x.dtype,
                  x.get_device(), scale_table is None or scale_table.stride(), shift_table is None or shift_table.stride())
-    geometry = _geometry.get(cache_key)
-    if geometry is None:
-        geometry = _geometry_of(x, scale, shift, scale_table, shift_table)
-        if len(_geometry) >= 4096:
-            _geometry.clear()
-        _geometry[cache_key] = geometry
+    geometry = _geometry.get(cache_key, _geometry_of, x, scale, shift, scale_table, shift_table)
     if geometry.__class__ is str:
         return geometry
     return ModulatePlan(x, scale, shift, *geometry, scale_table, shift_table)
@@ -198,7 +168,7 @@ def _recipe(r: Rows, c, h, wide, ct, ht, config) -> Recipe:
     )
 
 
-def launch_modulate(plan: ModulatePlan, config=None, out=None) -> torch.Tensor:
+def launch_modulate(plan: ModulatePlan, out=None, config=None) -> torch.Tensor:
     """Run the kernel for a guarded plan, into `out` (contiguous, x's shape) if given.
     `config` overrides (BLOCK_R, BLOCK_D, num_warps)."""
     x, ct, ht = plan.x, plan.scale_table, plan.shift_table
@@ -212,10 +182,10 @@ def launch_modulate(plan: ModulatePlan, config=None, out=None) -> torch.Tensor:
 
 
 def modulate(x, scale, shift) -> torch.Tensor:
-    """Guarded, ungated: the kernel where eligible, else the eager reference.
-    `scale`/`shift` may be Folded (table row + temb, added with eager's rounding)."""
+    """`x * (1 + scale) + shift`, guarded but ungated: the kernel where eligible,
+    else the eager reference. `scale`/`shift` may be Folded."""
     plan = plan_modulate(x, scale, shift)
-    if isinstance(plan, str):
+    if plan.__class__ is str:
         return modulate_reference(x, scale, shift)
     return launch_modulate(plan)
 
@@ -226,7 +196,7 @@ def modulate(x, scale, shift) -> torch.Tensor:
 @torch.library.custom_op("bitfuse::modulate", mutates_args=())
 def modulate_op(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """Opaque op for torch.compile graphs and capture (eager callers launch directly:
-    this boundary costs tens of microseconds a call)."""
+    this boundary costs tens of microseconds a call). Inference only."""
     return modulate(x, scale, shift)
 
 
@@ -235,9 +205,40 @@ def _(x, scale, shift):
     return modulate_reference(x, scale, shift)
 
 
+inference_only(modulate_op)
+
+
 # ---------------------------------------------------------------- reference
 
 
 def modulate_reference(x, scale, shift) -> torch.Tensor:
     """The eager expression, as models write it (Folded parameters materialised first)."""
     return x * (1 + value(scale)) + value(shift)
+
+
+def modulate_reference64(x, scale, shift) -> torch.Tensor:
+    return x.double() * (1 + value(scale).double()) + value(shift).double()
+
+
+def modulate_terms(x, scale, shift) -> torch.Tensor:
+    """|x * (1 + scale)| and |shift|, the larger, in float64."""
+    return (x.double() * (1 + value(scale).double())).abs().maximum(value(shift).double().abs())
+
+
+def _make_args(case: cases.Case) -> tuple:
+    gen = case.generator()
+    x = cases.activation(case, gen)
+    scale, shift = cases.param(case, gen, 2)
+    return x, scale, shift
+
+
+SPEC = OpSpec(
+    name="modulate",
+    reference=modulate_reference,
+    plan=plan_modulate,
+    launch={"lossless": launch_modulate},
+    reference64=modulate_reference64,
+    terms=modulate_terms,
+    make_args=_make_args,
+    layouts=cases.PARAM_LAYOUTS,
+)

@@ -73,16 +73,17 @@ row's statistic and rsqrt for the device checks; production launches pass a
 dummy and a zero flag (not a specialisation: the checked kernel is the one that
 runs).
 
-HIGH MODE (`exact=False`): one pass, x read once, sum of squares in any order
-in fp32, then eager's roundings of n, 1 + scale and n*t (HIGH_ROUNDING = 2;
-0 = one rounding at the end, 1 = n and t rounded, one FMA). It differs from eager
-only where the other summation order moves a row's rsqrt by enough to flip the
-rounding of n: 3 elements in 10^6 in bf16, 2 in 10^5 in fp16 (randn rows,
-D = 4096, H200), where the result moves by up to 2 ULP at the scale of the
-modulate's terms. So it does NOT meet the gate's one-ULP criterion everywhere,
-and no one-pass kernel can: any other summation order flips some roundings of n.
-One rounding at the end (HIGH_ROUNDING = 0) is 2-3 ULP off on about 1% of
-elements (bench/norm_accuracy.py measures all of this). Timings: bench/results/ops-*.json.
+HIGH TIER (`tier="high"`, bf16/fp16): one pass, x read once, the sum of
+squares in any order in fp32, then n * (1 + scale) + shift in fp32, rounded
+once. Against the float64 value of the same expression it is within 0.5 ULP
+(at the scale of the modulate's largest term; eager's three roundings are up to
+3 ULP off, 0.39 on average): more accurate than eager, and so not bit-equal
+to it (bench/norm_accuracy.py measures both against float64; the gate checks
+the contract at first sight, `policy.gated`).
+
+Shapes: x [B, S, D] or [N, D] with a contiguous last dimension; scale, shift as
+for modulate (any broadcast layout, or Folded); one dtype. Output: a new
+contiguous tensor of x's shape and dtype.
 """
 
 from __future__ import annotations
@@ -93,71 +94,44 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ._pointwise import (
-    HAS_TRITON,
+from . import cases
+from ._launch import (
     INTERPRET,
     FastLaunch,
-    Folded,
-    broadcast_strides,
     cdiv,
-    common_device_dtype,
-    jit,
-    layout_class,
+    inference_only,
     next_pow2,
-    rows_of,
-    tables_of,
+    row_kernel,
     tl,
-    triton,
 )
-from .modulate import _param, modulate_reference
+from ._norm import (
+    MAX_D,
+    check_operands,
+    dummy_stats,
+    high_launch_shape,
+    modulate_once,
+    modulated64,
+    modulated_terms64,
+    program_rows,
+    rms_norm64,
+    rsqrt,
+)
+from ._params import layout_class, load_param, tables_of
+from .modulate import modulate_reference
+from .spec import OpSpec
 
 REFERENCES = ("diffusers", "aten")
 
-
-def _row_kernel(*names):
-    """`triton.jit` without specialising on the row count (one compile for every S)
-    or on the debug flag `write_stats` (the checked kernel is the production one)."""
-    def wrap(fn):
-        return triton.jit(fn, do_not_specialize=list(names)) if HAS_TRITON else fn
-
-    return wrap
-
-
-MAX_D = 16384  # exact kernels unroll the row; wider rows take the reference
-
-# Reduction-order choices measured on the device (bench/explore_norm.py). The
-# launcher reads them at call time so a device script can try the others.
-WARP_INC = False  # diffusers mean: warp shuffle offsets decreasing (16..1)
-RSQRT_ASM = False  # True: inline `rsqrt.approx.f32`; False: libdevice rsqrt
-PASS2 = 2  # exact kernels' second pass: 0 x kept in registers, 1 reload, 2 reload as wide tiles
-HIGH_ROUNDING = 2  # high mode's modulate roundings: see _modulate_tail
+# Reduction-order choices, measured on the H200 (bench/NOTES.md, "Norm kernels"):
+WARP_INC = False  # diffusers mean: warp shuffle offsets decreasing (16..1), as torch 2.11's CUDA builds
+RSQRT_ASM = False  # libdevice rsqrt (the inline `rsqrt.approx.f32` gave the same bits)
+PASS2 = 2  # exact kernels' second pass: 0 x kept in registers, 1 reload, 2 reload as wide tiles (fastest)
 
 
 # ---------------------------------------------------------------- kernels
 
 
-@jit
-def _rsqrt(x, ASM: tl.constexpr):
-    if ASM:
-        return tl.inline_asm_elementwise(
-            "rsqrt.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
-        )
-    else:
-        return tl.math.rsqrt(x)
-
-
-@jit
-def _program_rows(S, R: tl.constexpr):
-    """This program's rows: sample b (grid axis 1), positions s in it (axis 0), the flat
-    row index b * S + s and the row mask. A flat grid would divide by S before the
-    first load (an integer division's latency in every program)."""
-    s32 = tl.program_id(0) * R + tl.arange(0, R)
-    b = tl.program_id(1).to(tl.int64)
-    s = s32.to(tl.int64)
-    return b, s, b * S + s, s32 < S
-
-
-@_row_kernel("S", "write_stats")
+@row_kernel("S", "write_stats")
 def _rms_norm_modulate_exact_kernel(
     x_ptr, scale_ptr, shift_ptr, out_ptr, stats_ptr, scale_table_ptr, shift_table_ptr,
     S, write_stats,
@@ -176,13 +150,13 @@ def _rms_norm_modulate_exact_kernel(
     RSQRT_ASM: tl.constexpr,
     R: tl.constexpr,
     MODULATE: tl.constexpr = True,  # False: write the norm's output n (scale/shift unread)
-    SCALE_TABLE: tl.constexpr = False,  # Folded parameters: temb + table row, rounded (modulate._param)
+    SCALE_TABLE: tl.constexpr = False,  # Folded parameters: temb + table row, rounded (load_param)
     SHIFT_TABLE: tl.constexpr = False,
 ):
     NV: tl.constexpr = D // 4
     NJ: tl.constexpr = (NV + LANES - 1) // LANES
     CH: tl.constexpr = 4 * LANES
-    b, s, r64, rmask = _program_rows(S, R)
+    b, s, r64, rmask = program_rows(S, R)
     lane = tl.arange(0, LANES)
     within = (lane * 4)[:, None] + tl.arange(0, 4)[None, :]  # [LANES, 4]
     x_row = b * x_sb + s * x_ss
@@ -234,7 +208,7 @@ def _rms_norm_modulate_exact_kernel(
                 v = tl.sum(tl.reshape(v, [R, 2, 16 >> i]), axis=1)
         total = tl.reshape(v, [R])
         stat = total * factor  # the mean aten's MeanOps writes
-        r = _rsqrt(stat + eps, RSQRT_ASM)
+        r = rsqrt(stat + eps, RSQRT_ASM)
     else:
         v = tl.reshape(acc, [R, 4, 32])
         for i in tl.static_range(5):
@@ -242,7 +216,7 @@ def _rms_norm_modulate_exact_kernel(
         v = tl.sum(tl.reshape(v, [R, 2, 2]), axis=1)  # (w0 + w2, w1 + w3)
         total = tl.sum(v, axis=1)
         stat = tl.math.div_rn(total, fD)  # sigma2 / N
-        r = _rsqrt(stat + eps, RSQRT_ASM)
+        r = rsqrt(stat + eps, RSQRT_ASM)
     # per-row statistics for the device checks (write_stats = 0 in production)
     smask = rmask & (tl.full([R], write_stats, tl.int32) != 0)
     tl.store(stats_ptr + r64 * 2, stat, mask=smask)
@@ -259,9 +233,9 @@ def _rms_norm_modulate_exact_kernel(
         if MODULATE:
             n = n.to(tl.float32)
             col_ok = cols < D
-            scale = _param(scale_ptr, c_row[:, None] + cols[None, :] * c_sd, m2, scale_table_ptr, cols * ct_sd,
+            scale = load_param(scale_ptr, c_row[:, None] + cols[None, :] * c_sd, m2, scale_table_ptr, cols * ct_sd,
                            col_ok, SCALE_TABLE, dtype, False)
-            shift = _param(shift_ptr, h_row[:, None] + cols[None, :] * h_sd, m2, shift_table_ptr, cols * ht_sd,
+            shift = load_param(shift_ptr, h_row[:, None] + cols[None, :] * h_sd, m2, shift_table_ptr, cols * ht_sd,
                            col_ok, SHIFT_TABLE, dtype, False)
             t = (1.0 + scale).to(dtype).to(tl.float32)
             p = (n * t).to(dtype).to(tl.float32)
@@ -280,9 +254,9 @@ def _rms_norm_modulate_exact_kernel(
             if MODULATE:
                 n = n.to(tl.float32)
                 zero = c_base * 0  # table offsets broadcast to the [R, LANES, 4] tile
-                scale = _param(scale_ptr, c_base + col * c_sd, m, scale_table_ptr, zero + col * ct_sd, m,
+                scale = load_param(scale_ptr, c_base + col * c_sd, m, scale_table_ptr, zero + col * ct_sd, m,
                                SCALE_TABLE, dtype, False)
-                shift = _param(shift_ptr, h_base + col * h_sd, m, shift_table_ptr, zero + col * ht_sd, m,
+                shift = load_param(shift_ptr, h_base + col * h_sd, m, shift_table_ptr, zero + col * ht_sd, m,
                                SHIFT_TABLE, dtype, False)
                 t = (1.0 + scale).to(dtype).to(tl.float32)
                 p = (n * t).to(dtype).to(tl.float32)
@@ -291,7 +265,7 @@ def _rms_norm_modulate_exact_kernel(
                 tl.store(out_ptr + (o_base + col), n, mask=m)
 
 
-@_row_kernel("S")
+@row_kernel("S")
 def _rms_norm_modulate_high_kernel(
     x_ptr, scale_ptr, shift_ptr, out_ptr, scale_table_ptr, shift_table_ptr,
     S, D,
@@ -300,13 +274,12 @@ def _rms_norm_modulate_high_kernel(
     h_sb, h_ss, h_sd,
     ct_sd, ht_sd,
     eps, inv_d,
-    ROUNDING: tl.constexpr,
     R: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SCALE_TABLE: tl.constexpr = False,
     SHIFT_TABLE: tl.constexpr = False,
 ):
-    b, s, r64, rmask = _program_rows(S, R)
+    b, s, r64, rmask = program_rows(S, R)
     cols = tl.arange(0, BLOCK_D)
     m = rmask[:, None] & (cols < D)[None, :]
     x = tl.load(
@@ -316,37 +289,12 @@ def _rms_norm_modulate_high_kernel(
     r = tl.math.rsqrt(tl.sum(x * x, axis=1) * inv_d + eps)
     dtype = out_ptr.dtype.element_ty
     col_ok = cols < D
-    scale = _param(scale_ptr, (b * c_sb + s * c_ss)[:, None] + cols[None, :] * c_sd, m, scale_table_ptr,
-                   cols * ct_sd, col_ok, SCALE_TABLE, dtype, False)
-    shift = _param(shift_ptr, (b * h_sb + s * h_ss)[:, None] + cols[None, :] * h_sd, m, shift_table_ptr,
-                   cols * ht_sd, col_ok, SHIFT_TABLE, dtype, False)
-    y = _modulate_tail(x * r[:, None], scale, shift, dtype, ROUNDING)
+    scale = load_param(scale_ptr, (b * c_sb + s * c_ss)[:, None] + cols[None, :] * c_sd, m, scale_table_ptr,
+                       cols * ct_sd, col_ok, SCALE_TABLE, dtype, False)
+    shift = load_param(shift_ptr, (b * h_sb + s * h_ss)[:, None] + cols[None, :] * h_sd, m, shift_table_ptr,
+                       cols * ht_sd, col_ok, SHIFT_TABLE, dtype, False)
+    y = modulate_once(x * r[:, None], scale, shift, dtype)
     tl.store(out_ptr + ((r64 * D)[:, None] + cols[None, :]), y, mask=m, cache_modifier=".cs")
-
-
-@jit
-def _modulate_tail(n, scale, shift, dtype: tl.constexpr, ROUNDING: tl.constexpr):
-    """n * (1 + scale) + shift for the one-pass kernels. They launch with FMA
-    contraction off: LLVM narrows a product or sum of two rounded operands that is
-    rounded again to one bf16/fp16 instruction (exact: fp32 holds twice their
-    precision), and with contraction on it fuses the narrowed n * t and + shift
-    into one half-precision FMA, dropping a rounding (29% of elements changed on
-    the H200; the interpreter does not narrow). ROUNDING 0: fp32 throughout, one rounding at the end.
-    1: eager's roundings of the norm's output n and of 1 + scale, then one FMA
-    (2-3 ULP from eager at the scale of the terms: bench/results/norm-accuracy-*).
-    2: all of eager's roundings (only the reduction order differs from eager)."""
-    scale = scale.to(tl.float32)
-    shift = shift.to(tl.float32)
-    if ROUNDING == 0:
-        y = n * (1.0 + scale) + shift
-    else:
-        n = n.to(dtype).to(tl.float32)
-        t = (1.0 + scale).to(dtype).to(tl.float32)
-        if ROUNDING == 1:
-            y = tl.fma(n, t, shift)
-        else:
-            y = (n * t).to(dtype).to(tl.float32) + shift
-    return y.to(dtype)
 
 
 _launch_exact = FastLaunch(_rms_norm_modulate_exact_kernel)
@@ -392,85 +340,43 @@ def mean_factor(N: int, D: int) -> float:
     return float(np.float32(N) / np.float32(N * D))
 
 
-def _torch_at_least(major: int, minor: int) -> bool:
-    parts = torch.__version__.split("+")[0].split(".")
-    return (int(parts[0]), int(parts[1])) >= (major, minor)
-
-
-_FUSED_RMS_NORM = _torch_at_least(2, 9)
-
-
 class RMSNormModulatePlan:
     """A call that passed the guard: operands, geometry, reduction order, gate key."""
 
     __slots__ = ("x", "scale", "shift", "rows", "c_strides", "h_strides", "eps", "reference",
-                 "lanes", "factor", "key", "modulate", "scale_table", "shift_table")
+                 "lanes", "factor", "key", "exact", "modulate", "scale_table", "shift_table")
 
-    def __init__(self, x, scale, shift, rows, c_strides, h_strides, eps, reference, lanes, factor, key,
-                 modulate=True):
+    def __init__(self, x, scale, shift, rows, c_strides, h_strides, eps, reference, lanes, factor, key, exact,
+                 scale_table=None, shift_table=None):
         self.x, self.scale, self.shift = x, scale, shift
         self.rows, self.c_strides, self.h_strides = rows, c_strides, h_strides
         self.eps, self.reference = eps, reference
         self.lanes, self.factor, self.key = lanes, factor, key
-        self.modulate = modulate  # False: the norm alone (plan_rms_norm)
-        self.scale_table = self.shift_table = None  # Folded parameters: table rows added on the fly
+        self.exact = exact  # the lossless kernel (the reference's order), or the one-pass high kernel
+        self.modulate = True  # False: the norm alone (plan_rms_norm)
+        self.scale_table, self.shift_table = scale_table, shift_table  # Folded: table rows added on the fly
 
 
-def _check_operands(x, scale, shift, *, cpu_ok=False):
-    """Shared guard: (rows, c_strides, h_strides) or a reason string."""
-    if not HAS_TRITON:
-        return "triton is not installed"
-    if scale.__class__ is Folded or shift.__class__ is Folded:
-        return "folded parameters are unpacked by _plan"
-    why = common_device_dtype(x, scale, shift)
-    if why and not (cpu_ok and why == "CPU tensor"):
-        return why
-    rows = rows_of(x)
-    if rows is None:
-        return f"x must be 2-D or 3-D, got {x.dim()}-D"
-    if x.numel() == 0:
-        return "empty tensor"
-    if rows.sd != 1:
-        return "x's last dimension is not contiguous"
-    c = broadcast_strides(scale, x.shape)
-    h = broadcast_strides(shift, x.shape)
-    if c is None or h is None:
-        return "scale/shift do not broadcast to x's shape"
-    return rows, c, h
-
-
-def plan_rms_norm_modulate(x, scale, shift, eps, reference, exact: bool = True):
-    """The guard: a plan for the kernel, or the reason the call takes the reference."""
-    return _plan(x, scale, shift, eps, reference, exact)
-
-
-def plan_rms_norm(x, eps, reference):
-    """The guard for the norm alone, `rms_norm_reference(x, eps, reference)` bit for bit
-    (the exact kernel without its modulate: for a normed tensor modulated twice)."""
-    plan = _plan(x, x, x, eps, reference, True)  # scale/shift: placeholders, never read
-    if plan.__class__ is str:
-        return plan
-    plan.modulate = False
-    plan.key = (x.dtype, x.get_device(), reference, f"D={x.shape[-1]}", f"lanes={plan.lanes}")
-    return plan
-
-
-def _plan(x, scale, shift, eps, reference, exact, cpu_ok=False):
+def plan_rms_norm_modulate(x, scale, shift, eps, reference, tier: str = "lossless"):
+    """The guard: a plan for the kernel of `tier` ("lossless": the reference's own
+    reduction order, bit-exact; "high": one pass, one rounding; fp32 x always takes
+    the lossless kernel), or the reason the call takes the reference."""
     if reference not in REFERENCES:
         return f"unknown RMSNorm reference {reference!r}"
     unpacked = tables_of(scale, shift, x)
     if unpacked.__class__ is str:
         return unpacked
     scale, shift, scale_table, shift_table = unpacked
-    checked = _check_operands(x, scale, shift, cpu_ok=cpu_ok)
-    if isinstance(checked, str):
+    checked = check_operands(x, scale, shift)
+    if checked.__class__ is str:
         return checked
     rows, c, h = checked
     D, N = rows.D, rows.B * rows.S
+    if D > MAX_D:
+        return f"D={D} > {MAX_D}: row too wide for the register-resident kernels"
+    exact = tier != "high" or x.dtype is torch.float32
     lanes, factor = 128, 0.0
     if exact:
-        if D > MAX_D:
-            return f"D={D} > {MAX_D}: row too wide for the register-resident exact kernel"
         if reference == "diffusers":
             lanes, why = mean_reduce_config(D, N)
             if why:
@@ -481,24 +387,28 @@ def _plan(x, scale, shift, eps, reference, exact, cpu_ok=False):
                 return f"D={D} is not a multiple of 4 (aten takes RowwiseMomentsCUDAKernel)"
             if x.is_contiguous() and x.data_ptr() % (4 * x.element_size()):
                 return "x is not 4-element aligned (aten takes RowwiseMomentsCUDAKernel)"
-            if not _FUSED_RMS_NORM:
-                return "torch < 2.9 runs F.rms_norm as composite ops"
-    elif D > MAX_D:
-        return f"D={D} > {MAX_D}: row too wide for the one-pass kernel"
     key = (x.dtype, x.get_device(), layout_class(c, scale) + ("+table" if scale_table is not None else ""),
            layout_class(h, shift) + ("+table" if shift_table is not None else ""),
-           reference, f"D={D}", f"lanes={lanes}")
-    plan = RMSNormModulatePlan(x, scale, shift, rows, c, h, float(eps), reference, lanes, factor, key)
-    plan.scale_table, plan.shift_table = scale_table, shift_table
+           reference, f"D={D}", f"lanes={lanes}" if exact else "one-pass")
+    return RMSNormModulatePlan(x, scale, shift, rows, c, h, float(eps), reference, lanes, factor, key, exact,
+                               scale_table, shift_table)
+
+
+def plan_rms_norm(x, eps, reference, tier: str = "lossless"):
+    """The guard for the norm alone, `rms_norm_reference(x, eps, reference)` bit for bit
+    (the exact kernel without its modulate: for a normed tensor modulated twice)."""
+    plan = plan_rms_norm_modulate(x, x, x, eps, reference)  # scale/shift: placeholders, never read
+    if plan.__class__ is str:
+        return plan
+    plan.modulate = False
+    plan.key = (x.dtype, x.get_device(), reference, f"D={x.shape[-1]}", f"lanes={plan.lanes}")
     return plan
 
 
-def exact_launch_shape(plan, elem_bytes: int) -> tuple[int, int]:
+def exact_launch_shape(plan) -> tuple[int, int]:
     """(R, num_warps) for the exact kernel: rows per program and warps (the reduction
-    order does not depend on them). Measured on the H200 at 6144 x 4096 bf16, timed
-    interleaved: diffusers per-sample (2, 4) 29.4 us against 31.1 for (1, 2) and
-    33.4 for (2, 2); per-token (1, 2) 50.1-50.9 us against 50.5-51.2 for (2, 8) and
-    52.0-52.8 for (4, 8) (two runs, bench/NOTES.md); aten (2, 8) 28.4 us."""
+    order does not depend on them; measured on the H200, bench/NOTES.md "Norm launch
+    shapes")."""
     if plan.reference == "aten":
         return 2, 8
     if plan.lanes == 32:
@@ -507,25 +417,13 @@ def exact_launch_shape(plan, elem_bytes: int) -> tuple[int, int]:
     return 1, min(plan.lanes // 32, 8)  # few rows: wide blocks
 
 
-def _dummy_stats(x):
-    """A placeholder fp32 pointer for the exact kernels' stats output (not written)."""
-    d = _DUMMY.get(x.get_device())
-    if d is None:
-        d = _DUMMY[x.get_device()] = torch.empty(2, dtype=torch.float32, device=x.device)
-    return d
-
-
-_DUMMY: dict = {}
-
-
-def launch_rms_norm_modulate(plan, exact: bool = True, config=None, out=None, stats=None) -> torch.Tensor:
+def launch_rms_norm_modulate(plan, out=None, config=None, stats=None) -> torch.Tensor:
     """Run the kernel for a guarded plan, into `out` (contiguous, x's shape) if given.
-    `config` overrides (R, num_warps, pass2) in exact mode, (R, num_warps) in high mode.
-    `stats` (fp32, 2 per row; exact mode): receives each row's statistic (diffusers:
-    the mean; aten: sigma2 / D) and its rsqrt, for checks against aten's."""
+    `config` overrides (R, num_warps[, pass2]) of the exact kernel, (R, num_warps) of
+    the one-pass kernel. `stats` (fp32, 2 per row; exact kernel): receives each row's
+    statistic (diffusers: the mean; aten: sigma2 / D) and its rsqrt, for checks
+    against aten's."""
     x, r = plan.x, plan.rows
-    if not (exact or plan.modulate):
-        raise ValueError("a norm-only plan (plan_rms_norm) runs the exact kernel")
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     tensors = (x, plan.scale, plan.shift, out)
@@ -533,14 +431,11 @@ def launch_rms_norm_modulate(plan, exact: bool = True, config=None, out=None, st
     tables = (plan.scale if ct is None else ct, plan.shift if ht is None else ht)
     table_strides = (0 if ct is None else ct.stride(0), 0 if ht is None else ht.stride(0))
     folded = dict(SCALE_TABLE=ct is not None, SHIFT_TABLE=ht is not None)
-    if exact:
-        if config:
-            R, num_warps, pass2 = (tuple(config) + (PASS2,))[:3]
-        else:
-            (R, num_warps), pass2 = exact_launch_shape(plan, x.element_size()), PASS2
+    if plan.exact:
+        R, num_warps, pass2 = (tuple(config) + (PASS2,))[:3] if config else exact_launch_shape(plan) + (PASS2,)
         lanes = plan.lanes
         _launch_exact(
-            (cdiv(r.S, R), r.B), tensors + (_dummy_stats(x) if stats is None else stats,) + tables,
+            (cdiv(r.S, R), r.B), tensors + (dummy_stats(x) if stats is None else stats,) + tables,
             (r.S, int(stats is not None), r.sb, r.ss, *plan.c_strides, *plan.h_strides, *table_strides,
              plan.eps, plan.factor, float(r.D)),
             dict(D=r.D, REF=0 if plan.reference == "diffusers" else 1,
@@ -555,34 +450,19 @@ def launch_rms_norm_modulate(plan, exact: bool = True, config=None, out=None, st
         _launch_high(
             (cdiv(r.S, R), r.B), tensors + tables,
             (r.S, r.D, r.sb, r.ss, *plan.c_strides, *plan.h_strides, *table_strides, plan.eps, 1.0 / r.D),
-            dict(ROUNDING=HIGH_ROUNDING, R=R, BLOCK_D=block_d, **folded),
-            dict(num_warps=num_warps, enable_fp_fusion=False),  # see _modulate_tail
+            dict(R=R, BLOCK_D=block_d, **folded),
+            dict(num_warps=num_warps, enable_fp_fusion=False),  # see _norm.modulate_once
         )
     return out
 
 
-def high_launch_shape(block_d: int, S: int, elem_bytes: int) -> tuple[int, int]:
-    """(R, num_warps) for the one-pass kernels. 16-bit rows of 2048, 4096 or 8192
-    padded columns: one row on 4, 8 or 4 warps (H200, 6144 rows, per-sample, timed
-    interleaved: D = 2048 13.95 us against 14.59 for two rows on 4 warps; D = 4096
-    28.24 against 28.48 for 4 warps; D = 5120 35.83 against 37.94 for 8 warps).
-    Otherwise about 8 KiB of x a program, at most the S rows of a sample."""
-    if elem_bytes == 2 and block_d in _HIGH_WARPS:
-        return 1, _HIGH_WARPS[block_d]
-    R = max(1, min(8192 // (block_d * elem_bytes), next_pow2(S)))
-    num_warps = max(1, min(8, R * block_d * elem_bytes // 2048))
-    return R, num_warps
-
-
-_HIGH_WARPS = {2048: 4, 4096: 8, 8192: 4}
-
-
-def rms_norm_modulate(x, scale, shift, eps: float, reference: str, *, exact: bool = True) -> torch.Tensor:
-    """Guarded, ungated: the kernel where eligible, else the eager reference."""
-    plan = plan_rms_norm_modulate(x, scale, shift, eps, reference, exact)
-    if isinstance(plan, str):
+def rms_norm_modulate(x, scale, shift, eps: float, reference: str, *, tier: str = "lossless") -> torch.Tensor:
+    """`rms_norm(x) * (1 + scale) + shift`, guarded but ungated: the kernel of `tier`
+    where eligible, else the eager reference."""
+    plan = plan_rms_norm_modulate(x, scale, shift, eps, reference, tier)
+    if plan.__class__ is str:
         return rms_norm_modulate_reference(x, scale, shift, eps, reference)
-    return launch_rms_norm_modulate(plan, exact)
+    return launch_rms_norm_modulate(plan)
 
 
 # ---------------------------------------------------------------- torch.library
@@ -592,14 +472,17 @@ def rms_norm_modulate(x, scale, shift, eps: float, reference: str, *, exact: boo
 def rms_norm_modulate_op(
     x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float, reference: str
 ) -> torch.Tensor:
-    """Opaque op for torch.compile graphs and capture (exact mode; eager callers
-    launch directly: this boundary costs tens of microseconds a call)."""
+    """Opaque op for torch.compile graphs and capture (lossless; eager callers launch
+    directly: this boundary costs tens of microseconds a call). Inference only."""
     return rms_norm_modulate(x, scale, shift, eps, reference)
 
 
 @rms_norm_modulate_op.register_fake
 def _(x, scale, shift, eps, reference):
     return rms_norm_modulate_reference(x, scale, shift, eps, reference)
+
+
+inference_only(rms_norm_modulate_op)
 
 
 # ---------------------------------------------------------------- reference
@@ -614,4 +497,46 @@ def rms_norm_reference(x, eps: float, reference: str) -> torch.Tensor:
 
 
 def rms_norm_modulate_reference(x, scale, shift, eps: float, reference: str) -> torch.Tensor:
+    """The eager expression: the norm, then `n * (1 + scale) + shift` (three roundings)."""
     return modulate_reference(rms_norm_reference(x, eps, reference), scale, shift)
+
+
+def _reference64(x, scale, shift, eps, reference):
+    return modulated64(rms_norm64(x, eps), scale, shift)
+
+
+def _terms(x, scale, shift, eps, reference):
+    return modulated_terms64(rms_norm64(x, eps), scale, shift)
+
+
+def _make_args(case: cases.Case, reference: str) -> tuple:
+    gen = case.generator()
+    x = cases.activation(case, gen)
+    scale, shift = cases.param(case, gen, 2)
+    return x, scale, shift, 1e-6, reference
+
+
+def _spec(reference: str) -> OpSpec:
+    return OpSpec(
+        name=f"rms_norm_modulate[{reference}]",
+        reference=rms_norm_modulate_reference,
+        plan=plan_rms_norm_modulate,
+        launch={"lossless": launch_rms_norm_modulate, "high": launch_rms_norm_modulate},
+        tiers=("lossless", "high"),
+        reference64=_reference64,
+        terms=_terms,
+        make_args=functools.partial(_make_args, reference=reference),
+        layouts=cases.PARAM_LAYOUTS,
+    )
+
+
+SPECS = {reference: _spec(reference) for reference in REFERENCES}
+
+RMS_NORM_SPEC = OpSpec(
+    name="rms_norm",
+    reference=rms_norm_reference,
+    plan=plan_rms_norm,
+    launch={"lossless": launch_rms_norm_modulate},
+    make_args=lambda case: (cases.activation(case, case.generator()), 1e-6, "diffusers"),
+    layouts=("none",),
+)

@@ -26,11 +26,25 @@ One launch rotates the query and the key when they share the frequencies
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 
-from ._pointwise import HAS_TRITON, FastLaunch, cdiv, common_device_dtype, jit, needs_int64, next_pow2, tl
+from . import cases
+from ._launch import (
+    HAS_TRITON,
+    FastLaunch,
+    GeometryCache,
+    cdiv,
+    inference_only,
+    jit,
+    needs_int64,
+    next_pow2,
+    tl,
+)
+from ._params import common_device_dtype
+from .spec import OpSpec
 
 ROPE_TYPES = ("interleaved", "split")
 
@@ -42,7 +56,9 @@ def _rotate_interleaved(x, c, n, BLOCK: tl.constexpr):
     # x, c, n: BLOCK consecutive channels of one row (BLOCK even, pairs aligned)
     x2 = tl.reshape(x, [BLOCK // 2, 2])
     a, b = tl.split(x2)
-    rot = tl.join(-b, a)  # eager: torch.stack([-x_imag, x_real], -1)
+    # eager: torch.stack([-x_imag, x_real], -1). Negation as a product: Triton's unary
+    # minus is 0 - b, which turns -0.0 into +0.0 where eager's neg gives -0.0.
+    rot = tl.join(b * -1.0, a)
     out = x2 * tl.reshape(c, [BLOCK // 2, 2]) + rot * tl.reshape(n, [BLOCK // 2, 2])
     return tl.reshape(out, [BLOCK])
 
@@ -130,10 +146,12 @@ def _rotary_split_kernel(
 @jit
 def _rotate_halves(a, b, c, n, FMA: tl.constexpr):
     # eager: out = x * cos; out[:r].addcmul_(-sin, x[r:]); out[r:].addcmul_(sin, x[:r])
+    # (-sin as a product: Triton's unary minus is 0 - sin, which loses eager's -0.0)
+    neg = n * -1.0
     if FMA:
-        return tl.fma(-n, b, a * c), tl.fma(n, a, b * c)
+        return tl.fma(neg, b, a * c), tl.fma(n, a, b * c)
     else:
-        return a * c + (-n) * b, b * c + n * a
+        return a * c + neg * b, b * c + n * a
 
 
 _launch_interleaved = FastLaunch(_rotary_interleaved_kernel, ("HAS_Y", "EVEN", "INT64", "BLOCK"))
@@ -187,12 +205,15 @@ class RotaryPlan(NamedTuple):
     fma: bool = False  # split: eager's addcmul_ is one FMA here
 
 
-_geometry: dict = {}
+_geometry = GeometryCache()
 
 
-def plan_rotary(x, cos, sin, rope_type: str, y=None) -> RotaryPlan | str:
+def plan_rotary(x, freqs, rope_type: str, y=None, tier: str = "lossless") -> RotaryPlan | str:
     """The guard: a plan rotating `x` (and `y`, with the same frequencies), or why
     the call takes the reference."""
+    if freqs.__class__ is not tuple or len(freqs) != 2:
+        return "freqs is not a (cos, sin) pair"
+    cos, sin = freqs
     if not HAS_TRITON:
         return "triton is not installed"
     if rope_type not in ROPE_TYPES:
@@ -210,12 +231,7 @@ def plan_rotary(x, cos, sin, rope_type: str, y=None) -> RotaryPlan | str:
     parts = (x.shape, x.stride(), cos.shape, cos.stride(), sin.shape, sin.stride(), x.dtype, x.get_device(), rope_type)
     if y is not None:
         parts += (y.shape, y.stride())
-    geometry = _geometry.get(parts)
-    if geometry is None:
-        geometry = _geometry_of(x, y, cos, sin, rope_type)
-        if len(_geometry) >= 4096:
-            _geometry.clear()
-        _geometry[parts] = geometry
+    geometry = _geometry.get(parts, _geometry_of, x, y, cos, sin, rope_type)
     if geometry.__class__ is str:
         return geometry
     fma = False
@@ -290,7 +306,7 @@ def _block(n: int, limit: int) -> int:
     return block
 
 
-def launch_rotary(plan: RotaryPlan, config=None, out=None):
+def launch_rotary(plan: RotaryPlan, out=None, config=None):
     """Run the kernel for a guarded plan: the rotated x, or (x, y) rotated, into
     `out` (contiguous; a pair for two tensors) if given. `config` overrides
     (BLOCK, num_warps)."""
@@ -322,12 +338,12 @@ def launch_rotary(plan: RotaryPlan, config=None, out=None):
     return (xo, yo) if y is not None else xo
 
 
-def rotary(x, freqs, rope_type: str = "interleaved") -> torch.Tensor:
-    """Guarded, ungated: the kernel where eligible, else the eager reference."""
-    cos, sin = freqs
-    plan = plan_rotary(x, cos, sin, rope_type)
-    if isinstance(plan, str):
-        return rotary_reference(x, freqs, rope_type)
+def rotary(x, freqs, rope_type: str = "interleaved", y=None):
+    """x (and y) rotated as diffusers' LTX-2 attention rotates them, guarded but
+    ungated: the kernel where eligible, else the eager reference."""
+    plan = plan_rotary(x, freqs, rope_type, y)
+    if plan.__class__ is str:
+        return rotary_reference(x, freqs, rope_type, y)
     return launch_rotary(plan)
 
 
@@ -336,7 +352,7 @@ def rotary(x, freqs, rope_type: str = "interleaved") -> torch.Tensor:
 
 @torch.library.custom_op("bitfuse::rotary", mutates_args=())
 def rotary_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_type: str) -> torch.Tensor:
-    """Opaque op for torch.compile graphs and capture (eager callers launch directly)."""
+    """Opaque op for torch.compile graphs and capture (eager callers launch directly). Inference only."""
     return rotary(x, (cos, sin), rope_type)
 
 
@@ -345,12 +361,21 @@ def _(x, cos, sin, rope_type):
     return rotary_reference(x, (cos, sin), rope_type)
 
 
+inference_only(rotary_op)
+
+
 # ---------------------------------------------------------------- reference
 
 
-def rotary_reference(x, freqs, rope_type: str = "interleaved") -> torch.Tensor:
+def rotary_reference(x, freqs, rope_type: str = "interleaved", y=None):
     """The eager expressions of diffusers 0.42.1 (`apply_interleaved_rotary_emb`,
-    `apply_split_rotary_emb`), op for op."""
+    `apply_split_rotary_emb`), op for op: x rotated, or (x, y) rotated when y is given."""
+    if y is not None:
+        return _rotate_reference(x, freqs, rope_type), _rotate_reference(y, freqs, rope_type)
+    return _rotate_reference(x, freqs, rope_type)
+
+
+def _rotate_reference(x, freqs, rope_type):
     cos, sin = freqs
     if rope_type == "interleaved":
         x_real, x_imag = x.unflatten(2, (-1, 2)).unbind(-1)
@@ -382,3 +407,40 @@ def rotary_reference(x, freqs, rope_type: str = "interleaved") -> torch.Tensor:
     if needs_reshape:
         out = out.swapaxes(1, 2).reshape(b, t, -1)
     return out.to(dtype=x_dtype)
+
+
+def _make_args(case: cases.Case, rope_type: str) -> tuple:
+    """query and key [B, S, C] (C = D), frequencies as diffusers builds them: interleaved
+    [B, S, C] per sample (layout "per-sample") or shared by the batch ("shared");
+    split [B, H, S, r] (heads of 128 channels), dense ("dense") or the swapaxes view
+    diffusers passes ("strided")."""
+    gen = case.generator()
+    B, S, C = case.B, case.S, case.D
+    q = cases.activation(case, gen)
+    k = cases.draw((B, S, C), case.dtype, case.data, gen, case.device, 2.0)
+    if rope_type == "interleaved":
+        shape = (1 if case.layout == "shared" else B, S, C)
+    else:
+        shape = (B, S, max(1, C // 128), C // (2 * max(1, C // 128)))
+    theta = torch.rand(*shape, device=case.device, generator=gen) * 40 - 20
+    freqs = theta.cos(), theta.sin()
+    if case.data in ("zeros", "subnormal", "special"):  # signed zeros, subnormals, NaN/inf in the tables too
+        freqs = tuple(cases.spoil(f, case.data, gen) for f in freqs)
+    if rope_type == "split":
+        freqs = tuple(f.swapaxes(1, 2) for f in freqs)
+        if case.layout == "dense":
+            freqs = tuple(f.contiguous() for f in freqs)
+    return q, freqs, rope_type, k
+
+
+SPECS = {
+    rope_type: OpSpec(
+        name=f"rotary[{rope_type}]",
+        reference=rotary_reference,
+        plan=plan_rotary,
+        launch={"lossless": launch_rotary},
+        make_args=functools.partial(_make_args, rope_type=rope_type),
+        layouts=("per-sample", "shared") if rope_type == "interleaved" else ("dense", "strided"),
+    )
+    for rope_type in ROPE_TYPES
+}

@@ -1,0 +1,231 @@
+"""The launch core shared by every kernel: Triton import, `jit`, host-side
+integer helpers, a bounded geometry cache, and `FastLaunch`, which replays a
+compiled Triton kernel without re-binding its arguments on every call."""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import torch
+
+try:  # triton is optional: without it every op takes its eager reference
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - depends on the platform
+    triton = None
+    tl = None
+
+HAS_TRITON = triton is not None
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def jit(fn):
+    """`triton.jit`, or the plain function where Triton is missing (never launched then)."""
+    return triton.jit(fn) if HAS_TRITON else fn
+
+
+def row_kernel(*names):
+    """`triton.jit` without specialising on the arguments `names` (e.g. the row count:
+    one compile for every S, or a debug flag: the checked kernel is the production one)."""
+    def wrap(fn):
+        return triton.jit(fn, do_not_specialize=list(names)) if HAS_TRITON else fn
+
+    return wrap
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (host side: `triton.next_power_of_2` is a
+    constexpr function in Triton 3.6 and costs about a microsecond a call)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def needs_int64(*extents) -> bool:
+    """Whether offsets may pass 2**31: extents are (size, stride) pairs of every operand."""
+    return sum(abs(stride) * (size - 1) for size, stride in extents) >= 2**31 - 1
+
+
+def inference_only(op):
+    """Register a backward for the custom op `op` that says it has none (the kernels
+    are for inference; sites take eager PyTorch whenever autograd records)."""
+    name = op._name
+
+    def backward(ctx, *grads):
+        raise RuntimeError(f"torch.ops.bitfuse.{name} has no backward: bitfuse's kernels are for inference. Call the model under "
+                           "torch.no_grad() or torch.inference_mode(), or use the eager ops to train.")
+
+    op.register_autograd(backward, setup_context=lambda ctx, inputs, output: None)
+    return op
+
+
+class GeometryCache:
+    """The guard's per-layout work (a plan's geometry and launch, or the reason a
+    layout takes the reference), computed once per key; bounded, cleared when full."""
+
+    __slots__ = ("entries", "limit")
+
+    def __init__(self, limit: int = 4096):
+        self.entries: dict = {}
+        self.limit = limit
+
+    def get(self, key, compute, *args):
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = compute(*args)
+            if len(self.entries) >= self.limit:
+                self.entries.clear()
+            self.entries[key] = entry
+        return entry
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+
+def _no_hooks(hook) -> bool:
+    return hook is None or (hasattr(hook, "calls") and not hook.calls)
+
+
+class Recipe:
+    """One launch with everything but the tensors fixed: grid, integer arguments,
+    constexprs and warps. Built once per cached geometry, it keeps the compiled
+    kernel per pointer-alignment pattern, so a call is a dict lookup and the launch."""
+
+    __slots__ = ("grid", "ints", "consts", "num_warps", "entries")
+
+    def __init__(self, grid, ints: tuple, consts: tuple, num_warps: int):
+        self.grid = (grid[0], grid[1], grid[2] if len(grid) > 2 else 1)
+        self.ints, self.consts, self.num_warps = ints, consts, num_warps
+        self.entries = {}  # pointer alignments -> (run, head, metadata)
+
+
+class FastLaunch:
+    """Launch a Triton kernel without re-binding its arguments on every call.
+
+    `JITFunction.run` re-derives the specialization of every argument on each
+    launch (~10 us of host time for a kernel with 17 arguments). The first call
+    with a given key goes through it and keeps the compiled kernel; later calls
+    with the same key launch that kernel directly. The key holds every integer
+    argument's value and every pointer's 16-byte alignment, which determine
+    Triton's specialization, so a replayed kernel is the one Triton would pick.
+    Launch hooks (a Python profiler such as Proton) installed when a key is first
+    launched keep that key on Triton's own path, so the hooks see every call.
+
+    `launch(recipe, tensors)` is the same for a launch whose integers are fixed
+    (`Recipe`): it skips building and hashing the key.
+
+    Operands on a CUDA device other than the current one launch under that device
+    (eager PyTorch runs them wherever they are; Triton compiles for, and launches
+    on, the current device).
+    """
+
+    MAX_KEYS = 4096
+
+    def __init__(self, fn, constexpr_names: tuple[str, ...] = (), fp_fusion: bool = False):
+        self.fn = fn
+        self.names = constexpr_names
+        self.fp_fusion = fp_fusion  # exact kernels keep eager's roundings: no FMA contraction
+        self.compiled = {}
+        self.direct = _knobs is not None and not INTERPRET
+
+    def __call__(self, grid, tensors, ints: tuple, consts, num_warps):
+        if consts.__class__ is dict:  # (constexprs: dict, options: dict) form
+            self.names, consts = tuple(consts), tuple(consts.values())
+            self.fp_fusion = num_warps.get("enable_fp_fusion", False)
+            num_warps = num_warps["num_warps"]
+        device = tensors[0].get_device()
+        if device >= 0 and device != torch._C._cuda_getDevice():
+            with torch.cuda.device(device):
+                return self(grid, tensors, ints, consts, num_warps)
+        ptrs = [t.data_ptr() for t in tensors]
+        key = (tuple([p & 15 == 0 for p in ptrs]), ints, consts, num_warps, tensors[0].dtype, device)
+        entry = self.compiled.get(key)
+        if entry is None:
+            self._first(key, grid, tensors, ints, consts, num_warps)
+            return
+        # pointers as ints: Triton's launcher takes them as they are, where for a
+        # tensor it calls data_ptr() and cuPointerGetAttribute (the guard has
+        # already checked every operand is on this CUDA device)
+        run, head, metadata = entry
+        run(grid[0], grid[1], grid[2] if len(grid) > 2 else 1, torch._C._cuda_getCurrentRawStream(device),
+            *head, metadata, None, None, None, *ptrs, *ints, *consts)
+
+    def launch(self, recipe: Recipe, tensors) -> None:
+        """Launch `recipe` on `tensors` (every one of the dtype and device the recipe
+        was built for: the caller's geometry cache is keyed by them)."""
+        device = tensors[0].get_device()
+        if device >= 0 and device != torch._C._cuda_getDevice():
+            with torch.cuda.device(device):
+                return self.launch(recipe, tensors)
+        ptrs = [t.data_ptr() for t in tensors]
+        aligned = tuple([p & 15 == 0 for p in ptrs])
+        entry = recipe.entries.get(aligned)
+        if entry is None:
+            key = (aligned, recipe.ints, recipe.consts, recipe.num_warps, tensors[0].dtype, device)
+            entry = self.compiled.get(key)
+            if entry is None:
+                self._first(key, recipe.grid, tensors, recipe.ints, recipe.consts, recipe.num_warps)
+                entry = self.compiled.get(key)
+                if entry is not None:
+                    recipe.entries[aligned] = entry
+                return
+            recipe.entries[aligned] = entry
+        run, head, metadata = entry
+        grid = recipe.grid
+        run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device),
+            *head, metadata, None, None, None, *ptrs, *recipe.ints, *recipe.consts)
+
+    def _first(self, key, grid, tensors, ints, consts, num_warps) -> None:
+        """Launch through Triton (compiling if needed) and keep the kernel for `key`."""
+        k = self.fn[grid](*tensors, *ints, **dict(zip(self.names, consts)), num_warps=num_warps,
+                          enable_fp_fusion=self.fp_fusion)
+        if not self.direct or k is None:
+            return
+        try:
+            hooks_off = _no_hooks(_knobs.runtime.launch_enter_hook) and _no_hooks(_knobs.runtime.launch_exit_hook)
+            c_launch = _c_launch(k.run)
+            if c_launch is None:
+                entry = (k.run, (k.function,), k.packed_metadata)
+            else:
+                entry = (c_launch, (k.function, k.run.launch_cooperative_grid, k.run.launch_pdl, None, None),
+                         k.packed_metadata)
+        except AttributeError:  # another Triton's launcher: keep its own path
+            self.direct = False
+            return
+        if hooks_off:
+            if len(self.compiled) >= self.MAX_KEYS:
+                self.compiled.clear()
+            self.compiled[key] = entry
+
+
+def _c_launch(run):
+    """The C `launch` behind Triton's launcher object `run`, when calling it directly
+    is what `run(...)` does: no scratch buffers to allocate, and a `__call__` whose
+    source passes (cooperative, pdl, global scratch, profile scratch) and then its
+    arguments unchanged (Triton 3.6's; any other source keeps `run`). Saves the
+    Python frame of `__call__`, about a microsecond a launch."""
+    if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+        return None
+    cls = type(run)
+    ok = _C_LAUNCH_OK.get(cls)
+    if ok is None:
+        try:
+            src = "".join(inspect.getsource(cls.__call__).split())
+        except (OSError, TypeError):
+            src = ""
+        ok = _C_LAUNCH_OK[cls] = _C_LAUNCH_CALL in src
+    return getattr(run, "launch", None) if ok else None
+
+
+_C_LAUNCH_CALL = ("self.launch(gridX,gridY,gridZ,stream,function,self.launch_cooperative_grid,self.launch_pdl,"
+                  "global_scratch,profile_scratch,*args)")
+_C_LAUNCH_OK: dict = {}
+
+
+try:
+    from triton import knobs as _knobs
+except Exception:  # pragma: no cover - older Triton: no direct launch
+    _knobs = None
