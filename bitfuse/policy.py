@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .numerics import differing, high_contract, same_bits
+from .numerics import differing, high_contract, same_bits  # noqa: F401  (same_bits: the lossless contract)
 from .ops.spec import TIERS, OpSpec
 
 # ---------------------------------------------------------------- environment

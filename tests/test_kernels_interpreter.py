@@ -6,17 +6,16 @@ broadcast exactly. Plans are built directly: the guard sends CPU tensors to
 eager, which is right for users and wrong for this test."""
 
 import os
-import sys
 
 import pytest
 import torch
 
-from bitfuse.ops import gated_residual as _g  # noqa: F401
-from bitfuse.ops import modulate as _m  # noqa: F401
-from bitfuse.ops._pointwise import HAS_TRITON, broadcast_strides, launch_shape, layout_class, needs_int64
-
-M = sys.modules["bitfuse.ops.modulate"]
-G = sys.modules["bitfuse.ops.gated_residual"]
+from bitfuse.numerics import same_bits
+from bitfuse.ops import SPECS, _params, cases
+from bitfuse.ops import gated_residual as G
+from bitfuse.ops import modulate as M
+from bitfuse.ops._launch import HAS_TRITON, needs_int64
+from bitfuse.ops._params import Folded, broadcast_strides, launch_shape, layout_class, table_of
 
 pytestmark = pytest.mark.skipif(
     not HAS_TRITON or os.environ.get("TRITON_INTERPRET") != "1", reason="needs triton's interpreter (CPU runs)"
@@ -59,11 +58,11 @@ def test_fp32_exact_with_poisoned_output(B, S, D, layout):
     for config in CONFIGS:
         for wide in (False, True) if config is None else (False,):  # int32 and int64 indexing
             out = torch.full_like(x, float("nan"))
-            M.launch_modulate(modulate_plan(x, scale, shift, wide), config, out=out)
-            assert torch.equal(out, x * (1 + scale) + shift), (layout, config, wide)
+            M.launch_modulate(modulate_plan(x, scale, shift, wide), out=out, config=config)
+            assert same_bits(out, x * (1 + scale) + shift), (layout, config, wide)
             out = torch.full_like(x, float("nan"))
-            G.launch_gated_residual(gated_plan(x, y, gate, wide), config, out=out)
-            assert torch.equal(out, x + y * gate), (layout, config, wide)
+            G.launch_gated_residual(gated_plan(x, y, gate, wide), out=out, config=config)
+            assert same_bits(out, x + y * gate), (layout, config, wide)
 
 
 def test_strided_operands_and_2d_x():
@@ -73,14 +72,14 @@ def test_strided_operands_and_2d_x():
     scale = torch.randn(100, 2, generator=g)[:, 1]  # stride 2 along D
     shift = torch.randn(2, 1, 100, generator=g)
     y = torch.randn(9, 2, 100, generator=g).transpose(0, 1)  # batch-major view of a seq-major tensor
-    out = M.launch_modulate(modulate_plan(x, scale, shift), (2, 32, 4))
+    out = M.launch_modulate(modulate_plan(x, scale, shift), config=(2, 32, 4))
     assert torch.equal(out, x * (1 + scale) + shift)
-    out = G.launch_gated_residual(gated_plan(x, y, scale), (2, 32, 4))
+    out = G.launch_gated_residual(gated_plan(x, y, scale), config=(2, 32, 4))
     assert torch.equal(out, x + y * scale)
     x2 = torch.randn(11, 100, generator=g)
     s2 = torch.randn(11, 100, generator=g)
     h2 = torch.randn(1, 100, generator=g)
-    assert torch.equal(M.launch_modulate(modulate_plan(x2, s2, h2), (4, 32, 4)), x2 * (1 + s2) + h2)
+    assert torch.equal(M.launch_modulate(modulate_plan(x2, s2, h2), config=(4, 32, 4)), x2 * (1 + s2) + h2)
 
 
 def test_broadcast_strides_and_layout_classes():
@@ -124,8 +123,6 @@ def test_guard_reasons():
 def test_folded_parameters_equal_the_materialised_sum(T):
     """Folded(table row, temb view), as LTX-2's get_mod_params makes them: the kernels add
     the row on the fly; fp32 output equals eager on the materialised `table + temb`."""
-    from bitfuse.ops._pointwise import Folded, table_of
-
     g = torch.Generator().manual_seed(T)
     B, S, D = 2, 7, 100
     x, y = torch.randn(B, S, D, generator=g), torch.randn(B, S, D, generator=g)
@@ -138,22 +135,43 @@ def test_folded_parameters_equal_the_materialised_sum(T):
         h, ht, _ = table_of(shift, x)
         plan = M.ModulatePlan(x, c, h, *M._geometry_of(x, c, h, ct, ht), ct, ht)
         assert plan.key[2].endswith("+table")
-        out = M.launch_modulate(plan, config, out=torch.full_like(x, float("nan")))
+        out = M.launch_modulate(plan, out=torch.full_like(x, float("nan")), config=config)
         assert torch.equal(out, x * (1 + eager[1]) + eager[0])
         plan = M.ModulatePlan(x, c, eager[0], *M._geometry_of(x, c, eager[0], ct), ct, None)
-        assert torch.equal(M.launch_modulate(plan, config), x * (1 + eager[1]) + eager[0])
+        assert torch.equal(M.launch_modulate(plan, config=config), x * (1 + eager[1]) + eager[0])
         gg, gt, _ = table_of(gate, x)
         plan = G.GatedResidualPlan(x, y, gg, *G._geometry_of(x, y, gg, gt), gt)
-        out = G.launch_gated_residual(plan, config, out=torch.full_like(x, float("nan")))
+        out = G.launch_gated_residual(plan, out=torch.full_like(x, float("nan")), config=config)
         assert torch.equal(out, x + y * eager[2])
 
 
 def test_folded_guard():
-    from bitfuse.ops._pointwise import Folded, table_of
-
     x = torch.randn(2, 3, 8)
     assert table_of(Folded(torch.randn(4), torch.randn(2, 1, 8)), x)[2] == "table row is not [D]"
     assert "eager promotes" in table_of(Folded(torch.randn(8).double(), torch.randn(2, 1, 8)), x)[2]
     f = Folded(torch.randn(8), torch.randn(2, 1, 8))
     assert f.shape == (2, 1, 8) and f.squeeze(2) is f and f.squeeze(1).shape == (2, 8)
     assert torch.equal(f.value(), f.table + f.temb)
+
+
+@pytest.mark.parametrize("name", ["modulate", "gated_residual", "rotary[interleaved]", "rotary[split]"])
+@pytest.mark.parametrize("data", cases.DATA)
+def test_specs_are_bitwise_on_every_data_draw(name, data, monkeypatch):
+    """Each op's declaration end to end (make_args, plan, launch into a poisoned output,
+    reference) in fp32 under the interpreter, on every layout it declares and every
+    data draw: signed zeros, subnormals, NaN/inf, outlier channels."""
+    monkeypatch.setattr(_params, "INTERPRET_ON_CPU", True)
+    spec = SPECS[name]
+    for i, layout in enumerate(spec.layouts):
+        for strided in (False, True):
+            case = cases.Case(2, 7, 16 if name.startswith("rotary") else 100, torch.float32, layout, data, seed=i,
+                              device="cpu", strided=strided)
+            args = spec.make_args(case)
+            plan = spec.plan(*args)
+            assert not isinstance(plan, str), plan
+            ref = spec.reference(*args)
+            poisoned = tuple(torch.full_like(r, float("nan")) for r in ref) if isinstance(ref, tuple) \
+                else torch.full_like(ref, float("nan"))
+            out = spec.launch["lossless"](plan, out=poisoned)
+            for o, r in zip(out, ref) if isinstance(ref, tuple) else ((out, ref),):
+                assert same_bits(o, r), (layout, strided)

@@ -1,8 +1,8 @@
 """FastLaunch's direct call of Triton's C launcher: taken only when it is what the
 launcher object's own `__call__` would do (CPU: fake launcher classes)."""
 
-from bitfuse.ops import _pointwise
-from bitfuse.ops._pointwise import _c_launch, next_pow2
+from bitfuse.ops import _launch as launch_core
+from bitfuse.ops._launch import _c_launch, next_pow2
 
 
 def c_launch(*args):  # stands for the compiled C function
@@ -29,7 +29,7 @@ class OtherLauncher(Triton36Launcher):
 
 
 def test_direct_call_only_for_the_known_launcher_without_scratch():
-    _pointwise._C_LAUNCH_OK.clear()
+    launch_core._C_LAUNCH_OK.clear()
     assert _c_launch(Triton36Launcher()) is c_launch
     assert _c_launch(OtherLauncher()) is None
     with_scratch = Triton36Launcher()
@@ -64,9 +64,9 @@ class FakeCuda:
 
     def __init__(self, monkeypatch):
         self.current, self.entered = 0, []
-        monkeypatch.setattr(_pointwise.torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
-        monkeypatch.setattr(_pointwise.torch._C, "_cuda_getDevice", lambda: self.current, raising=False)
-        monkeypatch.setattr(_pointwise.torch.cuda, "device", self.device)
+        monkeypatch.setattr(launch_core.torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
+        monkeypatch.setattr(launch_core.torch._C, "_cuda_getDevice", lambda: self.current, raising=False)
+        monkeypatch.setattr(launch_core.torch.cuda, "device", self.device)
 
     def device(self, index):
         cuda = self
@@ -100,11 +100,11 @@ class FakeKernel:
 
 def test_recipe_launches_through_triton_once_per_alignment_then_directly(monkeypatch):
     FakeCuda(monkeypatch)
-    _pointwise._C_LAUNCH_OK.clear()
+    launch_core._C_LAUNCH_OK.clear()
     kernel = FakeKernel()
-    launcher = _pointwise.FastLaunch(kernel, ("EVEN", "BLOCK"))
+    launcher = launch_core.FastLaunch(kernel, ("EVEN", "BLOCK"))
     launcher.direct = True  # (the interpreter turns it off)
-    recipe = _pointwise.Recipe((3, 1, 2), (5, 64), (True, 128), 4)
+    recipe = launch_core.Recipe((3, 1, 2), (5, 64), (True, 128), 4)
     aligned = (FakeTensor(4096), FakeTensor(8192))
     launcher.launch(recipe, aligned)  # first sight: Triton's path, constexprs by name
     assert kernel.calls == [((3, 1, 2), (aligned[0], aligned[1], 5, 64),
@@ -123,13 +123,13 @@ def test_recipe_launches_through_triton_once_per_alignment_then_directly(monkeyp
 
 def test_operands_on_another_device_launch_under_that_device(monkeypatch):
     cuda = FakeCuda(monkeypatch)
-    _pointwise._C_LAUNCH_OK.clear()
+    launch_core._C_LAUNCH_OK.clear()
     kernel = FakeKernel()
     seen = []
     kernel.compiled.run.launch = lambda *args: seen.append((cuda.current, args[3]))
-    launcher = _pointwise.FastLaunch(kernel, ("BLOCK",))
+    launcher = launch_core.FastLaunch(kernel, ("BLOCK",))
     launcher.direct = True
-    recipe = _pointwise.Recipe((1, 1, 1), (5,), (128,), 4)
+    recipe = launch_core.Recipe((1, 1, 1), (5,), (128,), 4)
     on_1 = (FakeTensor(4096, device=1),)
     launcher.launch(recipe, on_1)  # through Triton: it compiles for the current device
     launcher.launch(recipe, on_1)  # directly

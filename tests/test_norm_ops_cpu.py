@@ -10,19 +10,18 @@ module docstrings describe (aten's thread mapping, accumulators and trees).
 The GPU tests then check the same kernels' statistics against aten's own.
 """
 
+import contextlib
 import os
-import sys
 
-import pytest
 import numpy as np
+import pytest
 import torch
 
-from bitfuse.ops import layer_norm_modulate as _ln  # noqa: F401
-from bitfuse.ops import rms_norm_modulate as _rms  # noqa: F401
-from bitfuse.ops._pointwise import HAS_TRITON
-
-RMS = sys.modules["bitfuse.ops.rms_norm_modulate"]
-LN = sys.modules["bitfuse.ops.layer_norm_modulate"]
+from bitfuse.ops import _params as params_module
+from bitfuse.ops import layer_norm_modulate as LN
+from bitfuse.ops import rms_norm_modulate as RMS
+from bitfuse.ops._launch import HAS_TRITON
+from bitfuse.ops._params import Folded
 
 interpreter = pytest.mark.skipif(
     not HAS_TRITON or os.environ.get("TRITON_INTERPRET") != "1", reason="needs triton's interpreter (CPU runs)"
@@ -43,13 +42,29 @@ def test_cpu_tensors_take_the_reference():
     assert torch.equal(out, LN.layer_norm_modulate_reference(x, c, h, EPS))
 
 
+@contextlib.contextmanager
+def cpu_kernels():
+    """Plans for CPU tensors, to run the kernels in Triton's interpreter."""
+    old, params_module.INTERPRET_ON_CPU = params_module.INTERPRET_ON_CPU, True
+    try:
+        yield
+    finally:
+        params_module.INTERPRET_ON_CPU = old
+
+
+def _plan(kind, x, c, h, exact=True):
+    tier = "lossless" if exact else "high"
+    with cpu_kernels():
+        if kind == "ln":
+            return LN.plan_layer_norm_modulate(x, c, h, EPS, tier=tier)
+        return RMS.plan_rms_norm_modulate(x, c, h, EPS, kind, tier=tier)
+
+
 def _reason(kind, x, c=None, h=None, exact=True):
     D = x.shape[-1]
     c = torch.randn(D) if c is None else c
     h = torch.randn(D) if h is None else h
-    if kind == "ln":
-        return LN._plan(x, c, h, EPS, exact, cpu_ok=True)
-    return RMS._plan(x, c, h, EPS, kind, exact, cpu_ok=True)
+    return _plan(kind, x, c, h, exact)
 
 
 @pytest.mark.parametrize("kind", ["diffusers", "aten", "ln"])
@@ -77,7 +92,7 @@ def test_diffusers_guard():
     assert "< 256" in _reason("diffusers", torch.randn(4, 128))
     # aten adds a block_y reduction for wide rows: not reproduced
     assert "across warps" in _reason("diffusers", torch.randn(16, 8192))
-    assert "unknown" in RMS._plan(torch.randn(2, 256), torch.randn(256), torch.randn(256), EPS, "apex", True, cpu_ok=True)
+    assert "unknown" in _plan("apex", torch.randn(2, 256), torch.randn(256), torch.randn(256))
 
 
 @pytest.mark.parametrize("D,N,bw", [
@@ -100,8 +115,9 @@ def test_gate_keys():
     tab = torch.randn(2, 1, 6, 1024)
     p = _reason("diffusers", x, tab[:, :, 1], tab[:, :, 0])
     assert p.key[2:] == ("per-sample/strided", "per-sample/strided", "diffusers", "D=1024", "lanes=32")
+    assert _reason("diffusers", x, tab[:, :, 1], tab[:, :, 0], exact=False).key[-1] == "one-pass"
     p = _reason("ln", x, torch.randn(2, 8, 1024), torch.randn(1024))
-    assert p.key[2:] == ("per-token", "shared", "layer_norm", "D=1024")
+    assert p.key[2:] == ("per-token", "shared", "layer_norm", "D=1024", "welford")
     hash(p.key)
 
 
@@ -235,13 +251,10 @@ LAYOUTS = ["per-sample/strided", "per-token/strided", "shared", "mixed"]
 
 
 def _launch(kind, x, c, h, exact, config=None, stats=None):
-    if kind == "ln":
-        plan = LN._plan(x, c, h, EPS, exact, cpu_ok=True)
-        assert not isinstance(plan, str), plan
-        return LN.launch_layer_norm_modulate(plan, exact, config=config, stats=stats)
-    plan = RMS._plan(x, c, h, EPS, kind, exact, cpu_ok=True)
+    plan = _plan(kind, x, c, h, exact)
     assert not isinstance(plan, str), plan
-    return RMS.launch_rms_norm_modulate(plan, exact, config=config, stats=stats)
+    launch = LN.launch_layer_norm_modulate if kind == "ln" else RMS.launch_rms_norm_modulate
+    return launch(plan, config=config, stats=stats)
 
 
 def _reference(kind, x, c, h):
@@ -338,15 +351,13 @@ def test_output_buffer_is_fully_written():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 3, 1000, generator=g)
     c, h = _params("per-sample/strided", 2, 3, 1000, g)
-    for kind in ("diffusers", "aten"):
-        plan = RMS._plan(x, c, h, EPS, kind, True, cpu_ok=True)
-        out = torch.full_like(x, float("nan"))
-        assert RMS.launch_rms_norm_modulate(plan, True, out=out) is out
-        assert not out.isnan().any()
-    plan = LN._plan(x, c, h, EPS, True, cpu_ok=True)
-    out = torch.full_like(x, float("nan"))
-    LN.launch_layer_norm_modulate(plan, True, out=out)
-    assert not out.isnan().any()
+    for kind in ("diffusers", "aten", "ln"):
+        for exact in (True, False):
+            plan = _plan(kind, x, c, h, exact)
+            out = torch.full_like(x, float("nan"))
+            launch = LN.launch_layer_norm_modulate if kind == "ln" else RMS.launch_rms_norm_modulate
+            assert launch(plan, out=out) is out
+            assert not out.isnan().any(), (kind, exact)
 
 
 def test_custom_ops_fake_shapes():
@@ -357,8 +368,19 @@ def test_custom_ops_fake_shapes():
         fx, fc, fh = (mode.from_tensor(t) for t in (x, c, h))
         assert torch.ops.bitfuse.rms_norm_modulate(fx, fc, fh, EPS, "diffusers").shape == x.shape
         assert torch.ops.bitfuse.layer_norm_modulate(fx, fc, fh, EPS).shape == x.shape
-    # eager call of the registered op: CPU tensors take the reference
-    assert torch.equal(torch.ops.bitfuse.layer_norm_modulate(x, c, h, EPS), LN.layer_norm_modulate_reference(x, c, h, EPS))
+
+
+@pytest.mark.parametrize("op", ["modulate", "gated_residual", "rms_norm_modulate", "layer_norm_modulate", "rotary"])
+def test_custom_ops_say_they_have_no_backward(op):
+    """torch.ops.bitfuse.* are for inference: the forward runs, backward says why not."""
+    x = torch.randn(2, 4, 256, requires_grad=True)
+    c, h = torch.randn(2, 1, 256), torch.randn(256)
+    args = {"modulate": (x, c, h), "gated_residual": (x, x, c), "rms_norm_modulate": (x, c, h, EPS, "aten"),
+            "layer_norm_modulate": (x, c, h, EPS), "rotary": (x, torch.ones(1, 4, 256), torch.zeros(1, 4, 256),
+                                                              "interleaved")}[op]
+    out = getattr(torch.ops.bitfuse, op)(*args)
+    with pytest.raises(RuntimeError, match=f"torch.ops.bitfuse.{op} has no backward"):
+        out.sum().backward()
 
 
 @interpreter
@@ -368,14 +390,13 @@ def test_norm_alone_is_the_fused_kernels_n(kind):
     fused output is n itself (fp32: n * 1 + 0 == n)."""
     g = torch.Generator().manual_seed(11)
     x = torch.randn(2, 5, 256, generator=g)
-    plan = RMS._plan(x, x, x, EPS, kind, True, cpu_ok=True)
-    plan.modulate = False
-    n = RMS.launch_rms_norm_modulate(plan, True)
+    with cpu_kernels():
+        plan = RMS.plan_rms_norm(x, EPS, kind)
+    assert not plan.modulate and plan.key[2:] == (kind, "D=256", f"lanes={plan.lanes}")
+    n = RMS.launch_rms_norm_modulate(plan)
     zeros = torch.zeros(256)
     assert torch.equal(n, _launch(kind, x, zeros, zeros, True))
     torch.testing.assert_close(n, RMS.rms_norm_reference(x, EPS, kind), rtol=2e-5, atol=2e-5)
-    with pytest.raises(ValueError, match="exact kernel"):
-        RMS.launch_rms_norm_modulate(plan, False)
 
 
 @interpreter
@@ -384,8 +405,6 @@ def test_norm_alone_is_the_fused_kernels_n(kind):
 def test_folded_parameters_in_both_kernels(kind, T):
     """Folded (table row, temb) scale/shift give the bits the materialised sum gives,
     in the exact kernel's second-pass variants and in the one-pass kernel."""
-    from bitfuse.ops._pointwise import Folded
-
     g = torch.Generator().manual_seed(T)
     B, S, D = 2, 5, 256
     x = torch.randn(B, S, D, generator=g)
@@ -393,9 +412,9 @@ def test_folded_parameters_in_both_kernels(kind, T):
     t4 = torch.randn(B, T, 6 * D, generator=g).reshape(B, T, 6, D)
     scale, shift = Folded(table[1], t4[:, :, 1]), Folded(table[0], t4[:, :, 0])
     for exact in (True, False):
-        plan = RMS._plan(x, scale, shift, EPS, kind, exact, cpu_ok=True)
+        plan = _plan(kind, x, scale, shift, exact)
         assert not isinstance(plan, str) and "+table" in plan.key[2], plan
-        eager = RMS._plan(x, scale.value(), shift.value(), EPS, kind, exact, cpu_ok=True)
+        eager = _plan(kind, x, scale.value(), shift.value(), exact)
         for config in ((None, (2, 2, 1), (1, 4, 0)) if exact else (None,)):
-            assert torch.equal(RMS.launch_rms_norm_modulate(plan, exact, config=config),
-                               RMS.launch_rms_norm_modulate(eager, exact, config=config))
+            assert torch.equal(RMS.launch_rms_norm_modulate(plan, config=config),
+                               RMS.launch_rms_norm_modulate(eager, config=config))

@@ -332,7 +332,7 @@ class LayerNormModulatePlan:
 
 def plan_layer_norm_modulate(x, scale, shift, eps, tier: str = "lossless"):
     """The guard: a plan for the kernel of `tier` ("lossless": aten's Welford order,
-    bit-exact; "high": one pass, one rounding; fp32 x always takes the lossless
+    bit-exact; "high": one pass, one rounding; the sites send fp32 to the lossless
     kernel), or the reason the call takes the reference."""
     checked = check_operands(x, scale, shift)
     if checked.__class__ is str:
@@ -341,7 +341,7 @@ def plan_layer_norm_modulate(x, scale, shift, eps, tier: str = "lossless"):
     D = rows.D
     if D > MAX_D:
         return f"D={D} > {MAX_D}: row too wide for the register-resident kernels"
-    exact = tier != "high" or x.dtype is torch.float32
+    exact = tier != "high"
     if exact:
         if D % 4:
             return f"D={D} is not a multiple of 4 (aten takes RowwiseMomentsCUDAKernel)"

@@ -162,22 +162,23 @@ _ADDCMUL_FUSES: dict = {}
 
 
 def addcmul_fuses(device) -> bool | None:
-    """Whether eager `torch.addcmul(a, b, c)` (fp32, value 1) on this CUDA device rounds
-    once (an FMA) rather than rounding `b * c` first. Probed once per device: with
-    b = 1 + 2**-12, b * b is inexact in fp32, so addcmul(-fl(b * b), b, b) is the
-    rounding error with an FMA and 0 without. None where it is not yet known and
-    can't be probed (torch.compile tracing, CUDA-graph capture)."""
+    """Whether eager `torch.addcmul(a, b, c)` (fp32, value 1) on this device (a CUDA
+    index, or -1 for the CPU) rounds once (an FMA) rather than rounding `b * c`
+    first. Probed once per device: with b = 1 + 2**-12, b * b is inexact in fp32, so
+    addcmul(-fl(b * b), b, b) is the rounding error with an FMA and 0 without. None
+    where it is not yet known and can't be probed (torch.compile tracing, CUDA-graph
+    capture)."""
     if device.__class__ is not int:  # a device index (what the plan passes) needs no parsing
-        device = torch.device(device).index
-    index = torch.cuda.current_device() if device is None else device
-    known = _ADDCMUL_FUSES.get(index)
+        device = torch.device(device)
+        device = -1 if device.type == "cpu" else (torch.cuda.current_device() if device.index is None else device.index)
+    known = _ADDCMUL_FUSES.get(device)
     if known is not None:
         return known
-    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+    if torch.compiler.is_compiling() or (device >= 0 and torch.cuda.is_current_stream_capturing()):
         return None
-    b = torch.full((1,), 1 + 2**-12, dtype=torch.float32, device=f"cuda:{index}")
+    b = torch.full((1,), 1 + 2**-12, dtype=torch.float32, device="cpu" if device < 0 else f"cuda:{device}")
     fused = bool(torch.addcmul(-(b * b), b, b).item() != 0)
-    _ADDCMUL_FUSES[index] = fused
+    _ADDCMUL_FUSES[device] = fused
     return fused
 
 
