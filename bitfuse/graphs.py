@@ -196,7 +196,7 @@ def signature_of(args: tuple, kwargs: dict, context: tuple = ()) -> tuple[tuple,
 
 
 def describe_signature(key: tuple, limit: int = 400) -> str:
-    """A readable one-line rendering of a signature key."""
+    """A readable one-line rendering of a signature key (arguments cut at `limit` characters)."""
 
     def render(spec) -> str:
         tag = spec[0]
@@ -225,8 +225,10 @@ def describe_signature(key: tuple, limit: int = 400) -> str:
     args, kwargs, context = key
     parts = [render(s) for s in args]
     parts += [f"{n}={render(s)}" for n, s in kwargs if not (s[0] is type(None))]
-    text = "(" + ", ".join(parts) + f") context={context!r}"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    text = "(" + ", ".join(parts) + ")"
+    if len(text) > limit:
+        text = text[: limit - 4] + "...)"
+    return f"{text} context={context!r}"  # whole: it says which tier and hoisted values the graph is for
 
 
 def _contiguous_stride(shape) -> tuple:
