@@ -806,3 +806,73 @@ def test_cuda_graphs_hook_wraps_and_restores():
         handle.restore()
     assert handle.graphs is None and _is_stock(model) and not sites.sites_of(model)
     _assert_equal(_run(model, kw), ref)
+
+
+# ---------------------------------------------------------------- the public entry point
+
+
+@pytest.mark.parametrize("thing", [None, "ltx2", 3, types.SimpleNamespace(transformer="not a module")],
+                         ids=["None", "str", "int", "pipeline-without-module"])
+def test_non_modules_are_refused_with_the_supported_list(thing):
+    with pytest.raises(UnsupportedModelError, match="LTX2VideoTransformer3DModel"):
+        bitfuse.accelerate(thing)
+
+
+def test_accelerate_shows_its_options_and_imports_models_lazily():
+    import inspect
+    import pydoc
+    import subprocess
+    import sys
+
+    params = inspect.signature(bitfuse.accelerate).parameters
+    assert [n for n in ("quality", "cuda_graphs", "force") if params[n].kind is inspect.Parameter.KEYWORD_ONLY] == [
+        "quality", "cuda_graphs", "force"]
+    assert params["quality"].default == "lossless" and params["cuda_graphs"].default is False
+    text = pydoc.render_doc(bitfuse.accelerate)
+    assert all(word in text for word in ("quality:", "cuda_graphs:", "force:", "restore()"))
+    probe = ("import sys, bitfuse; print(sorted(m for m in sys.modules "
+             "if m.startswith(('bitfuse.models', 'bitfuse.graphs', 'diffusers'))))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+# ---------------------------------------------------------------- spatio-temporal guidance
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten ops that read a tensor's value on the host (a sync on the GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func._schema.name == "aten::_local_scalar_dense"
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_stg_branch_is_read_once_per_forward():
+    """diffusers branches on `torch.all(mask == 0)` in every perturbed processor (a host
+    sync each); the accelerated forward reads it once, the same bits."""
+    model = _model("2.3")
+    kw = make_inputs(model, batch=2, stg_blocks=[0, 1], perturbation_mask=torch.tensor([0.0, 1.0]))
+    with torch.no_grad():
+        with _HostReads() as stock:
+            ref = model(**kw)
+        with bitfuse.accelerate(model), _HostReads() as ours:
+            out = model(**kw)
+    assert stock.n == 2 * len(model.transformer_blocks)  # video and audio self-attention, per STG block
+    assert ours.n == 1
+    _assert_equal(out, ref)
+
+
+def test_compile_with_a_perturbation_mask_equals_eager():
+    """Under torch.compile the STG branch is diffusers' tensor, as in the stock forward."""
+    torch._dynamo.reset()
+    model = _model("2.3", torch.bfloat16, num_layers=1)
+    kw = make_inputs(model, batch=2, stg_blocks=[0], perturbation_mask=torch.tensor([0.0, 1.0]))
+    ref = _run(model, kw)
+    with bitfuse.accelerate(model):
+        compiled = torch.compile(model, backend="eager")
+        _assert_equal(_run(compiled, kw), ref)
+    torch._dynamo.reset()

@@ -288,7 +288,8 @@ class Handle:
             for module in self._marked:
                 _sites.unmark_site(module)
             self._marked.clear()
-            for fn in self._cleanups:
+            cleanups, self._cleanups = self._cleanups, []
+            for fn in cleanups:
                 fn()
             if self.model.__dict__.get("_bitfuse_handle") is self:
                 del self.model.__dict__["_bitfuse_handle"]
