@@ -224,7 +224,7 @@ def describe_signature(key: tuple, limit: int = 400) -> str:
 
     args, kwargs, context = key
     parts = [render(s) for s in args]
-    parts += [f"{n}={render(s)}" for n, s in kwargs if not (s[0] is type(None))]
+    parts += [f"{n}={render(s)}" for n, s in kwargs if s[0] is not type(None)]
     text = "(" + ", ".join(parts) + ")"
     if len(text) > limit:
         text = text[: limit - 4] + "...)"
@@ -740,6 +740,11 @@ class _Diverged(Exception):
         self.observed = observed
 
 
+class _WarmupError(Exception):
+    """Carries (as __cause__) an error the function raised during warmup: its own
+    error, which it would raise eagerly too (not a capture failure)."""
+
+
 def _leaves_of(obj) -> list:
     leaves: list = []
     _out_spec(obj, leaves)
@@ -1147,10 +1152,6 @@ class GraphRunner:
                 **{k: self.counts[k] for k in _COUNTS},
                 "signatures": rows,
             }
-
-
-class _WarmupError(Exception):
-    """Carries (as __cause__) an error raised by the function during warmup."""
 
 
 # ---------------------------------------------------------------- a module's forward

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import inspect
 import re
-import warnings
 
 import pytest
 import torch
@@ -131,7 +130,8 @@ def test_install_and_restore():
     processor = model.processor
     handle = accelerate(model)
     assert handle.active and handle.model is model and handle.quality == "lossless"
-    assert [s.name for s in handle.sites] == ["blocks.0", "blocks.1"] and all(s.tier == "lossless" for s in handle.sites)
+    assert [s.name for s in handle.sites] == ["blocks.0", "blocks.1"]
+    assert all(s.tier == "lossless" for s in handle.sites)
     assert all(b.forward.__func__ is _block_forward for b in model.blocks)  # per instance:
     assert Block.forward is not _block_forward and Block(8).forward.__func__ is Block.forward  # the class is untouched
     assert type(model.processor) is OurProcessor and model.processor is processor and processor.backend == "native"

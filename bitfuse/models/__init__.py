@@ -6,9 +6,14 @@ is accelerated (the handle keeps the pipeline as `.pipeline`). A model wrapped
 by `torch.compile` (an OptimizedModule) is accelerated through `_orig_mod`.
 
 A model file joins with one line in `_REGISTRY` (diffusers class name -> module)
-and provides `SOURCES` (an `_install.CopiedSources`) and
-`accelerate(model, *, quality, force) -> Handle`, built on `_install`. Model
-modules import diffusers only when a model of theirs is passed, so
+and provides, built on `_install`:
+- `accelerate(model, *, quality, force) -> Handle` (one `_install.accelerate` call);
+- `SOURCES`, an `_install.CopiedSources`: the pinned diffusers functions and its
+  line-for-line copies, which tests/test_copies.py then checks;
+- a Handle subclass whose `graph_options()` adds what graph capture needs (a
+  `hoist` for host syncs), and optionally `stock_graph_options(model)` for graphing
+  the stock model.
+Model modules import diffusers only when a model of theirs is passed, so
 `import bitfuse` costs nothing where diffusers is absent.
 """
 
@@ -19,7 +24,6 @@ from types import ModuleType
 
 import torch
 
-from .. import policy
 from ._install import AlreadyAcceleratedError, Handle, UnsupportedModelError, UnsupportedVersionError
 
 __all__ = [
@@ -70,7 +74,6 @@ def _resolve(model) -> tuple[torch.nn.Module, object]:
 
 def accelerate(model, *, quality: str = "lossless", cuda_graphs: bool = False, force: bool = False, **graph_options):
     """`bitfuse.accelerate` (see its docstring): returns the model's Handle."""
-    policy.check_tier(quality)
     if graph_options and not cuda_graphs:
         raise TypeError(f"graph options {sorted(graph_options)} given without cuda_graphs=True")
     target, pipeline = _resolve(model)

@@ -35,7 +35,7 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
-from .. import policy
+from .. import graphs, policy
 from .. import sites as _sites
 
 __all__ = [
@@ -120,7 +120,8 @@ class CopiedSources:
                 found.append(f"the source of diffusers' {name} cannot be read to verify it")
             elif sha != verified:
                 found.append(
-                    f"diffusers' {name} differs from the source bitfuse copied (sha256 {sha[:12]}, verified {verified[:12]})"
+                    f"diffusers' {name} differs from the source bitfuse copied "
+                    f"(sha256 {sha[:12]}, verified {verified[:12]})"
                 )
         return found
 
@@ -265,8 +266,6 @@ class Handle:
         """Replay the accelerated forward from CUDA graphs (bitfuse.graphs), one per
         call signature; options go to GraphRunner (max_graphs, warmup, backend, ...).
         Returns the runner, also kept as `handle.graphs` (replacing an earlier one)."""
-        from .. import graphs
-
         with _lock:
             if not self.active:
                 raise RuntimeError("this handle was restored; accelerate the model again first")

@@ -42,8 +42,6 @@ The copies are valid only for the diffusers source they were taken from:
 copied or relied-on function (`SOURCES`), and refuses otherwise unless `force=True`.
 """
 
-from __future__ import annotations
-
 import contextlib
 import inspect
 from typing import Any
@@ -67,7 +65,15 @@ from .. import graphs, policy, sites
 from . import _install
 from .ltx2_host import RopeCache, TimestepEmbeddings
 
-__all__ = ["VERIFIED_SOURCES", "SOURCES", "LTX2Handle", "accelerate", "stock_functions", "stock_graph_options"]
+__all__ = [
+    "VERIFIED_SOURCES",
+    "COPIES",
+    "SOURCES",
+    "LTX2Handle",
+    "accelerate",
+    "stock_functions",
+    "stock_graph_options",
+]
 
 # ---------------------------------------------------------------- what was verified
 

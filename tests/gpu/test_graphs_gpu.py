@@ -419,7 +419,9 @@ def test_accelerated_ltx2_stg_with_and_without_a_mask_captures_whole():
     on `torch.all(mask == 0)` is computed per call before the graph, so every case is
     one segment, equal to eager and to stock diffusers."""
     model = _ltx2("2.3")
-    stock = {(i, seed): model(**_stg_inputs(model, case, seed)) for i, case in enumerate(STG_CASES) for seed in range(2)}
+    stock = {
+        (i, seed): model(**_stg_inputs(model, case, seed)) for i, case in enumerate(STG_CASES) for seed in range(2)
+    }
     handle = bitfuse.accelerate(model, cuda_graphs=True, max_graphs=len(STG_CASES), **RUNNER_OPTIONS)
     try:
         eager = handle.graphs.fn
