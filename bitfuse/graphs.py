@@ -5,50 +5,68 @@
     out = runner(*args2, **kwargs2)     # same signature: copy inputs in, replay
 
     handle = bitfuse.accelerate(model, cuda_graphs=True, max_graphs=4)
-    handle.graphs                       # the GraphRunner (wrap_model_for_graphs(handle) does this)
-    handle.restore()                    # also removes the graph wrapper
+    handle.graphs                       # the GraphRunner around model.forward
+    handle.restore()                    # also removes the graph wrapper (handle.graphs.restore())
 
 The signature of a call is its tensors' (shape, stride, dtype, device, 16-byte
 alignment), every other argument by value, and the context that picks kernels:
-the quality tier requested by `bitfuse.quality(...)`, the tiers mounted on the
-model's sites, BITFUSE_DISABLE/BITFUSE_VERIFY, grad and inference mode. A graph
-captured under one tier never replays under another.
+the quality tier requested by `bitfuse.quality(...)`, BITFUSE_DISABLE/VERIFY,
+grad and inference mode, plus whatever the caller's `context()` adds (a model
+integration adds the tiers mounted on its sites) and the values `hoist` computes.
+A graph captured under one tier never replays under another.
 
 First sight of a signature: the inputs are copied into static buffers with the
 same strides and alignment, `fn` runs eagerly `warmup` times on a side stream
 outside capture (every first-sight gate in bitfuse reaches its verdict there, so
-capture records verified fast paths, see policy.gated), then `fn` is captured
-into a `torch.cuda.CUDAGraph` and replayed. Later calls copy their inputs into
-the static buffers, replay, and return clones of the static outputs (a later
-replay overwrites the static outputs; `reuse_outputs=True` returns them as is).
+capture records verified fast paths, see policy.gated), then `fn` is captured and
+replayed. Later calls copy their inputs into the static buffers, replay, and
+return clones of the static outputs (`reuse_outputs=True` returns them as is).
+
+Host syncs. Capture refuses what needs the host mid-forward (`.item()`, a branch
+on a tensor's truth, a pageable host-to-device copy). Two ways through, both
+exact:
+- hoisting: `hoist(args, kwargs) -> {name: plain value}` runs per call before the
+  signature (outside capture); the values join the signature and `fn` reads them
+  with `hoisted(name)` instead of syncing. The forward stays one graph.
+- breaking: `graph_break(fn, *args)` inside the forward ends the graph being
+  captured, runs `fn` eagerly and starts the next one. Replays run the segments
+  with the breaks between them; a break's tensor results (on the capture device)
+  are copied into the buffers the next segment reads. Every other part of its
+  result (plain values, the structure, tensors' shapes and dtypes, host tensors'
+  values) is the *path*: a replay whose break returns another path stops there
+  and the call is served by the signature's graph for that path, captured on
+  first sight of it (up to `max_paths` per signature), or else eagerly; never
+  by a graph of another path. `report()` gives each signature's segments and paths.
 
 What can go wrong is contained per signature: if capture raises, a
 GraphCaptureWarning carries the exception text and that signature runs eagerly
 for the rest of the runner's life. Graphs are kept in an LRU of `max_graphs`
-entries; an evicted graph's memory (its pool, static inputs and outputs) is
-released. `runner.report()` lists per-signature memory and hit counts.
+signatures; an evicted signature's memory (pools, static inputs and outputs) is
+released. `runner.report()` lists per-signature memory, hits and segments.
 
-The capture/replay mechanism is a small object (`CUDAGraphBackend`); tests
-inject `EmulatedGraphBackend` (or a failing one) to check all the bookkeeping
-on CPU.
+The capture mechanism is a small object: `CUDAGraphBackend`, or for tests
+`EmulatedGraphBackend`, which records the aten ops of a capture and re-runs them on
+the same tensors (CUDA-graph semantics on the CPU, host syncs refused).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import dataclasses
 import enum
 import functools
 import gc
-import inspect
-import statistics
 import threading
 import time
+import types
 import warnings
 from typing import Any, Callable
 
 import torch
+from torch.utils import _pytree
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from . import policy
 
@@ -58,13 +76,14 @@ __all__ = [
     "CUDAGraphBackend",
     "EmulatedGraphBackend",
     "UnsupportedInput",
+    "default_context",
     "signature_of",
-    "runner_for_model",
+    "describe_signature",
+    "graph_break",
+    "hoisted",
     "wrap_model_for_graphs",
     "unwrap_model_for_graphs",
     "graph_runner_of",
-    "ltx2_coords_prepare",
-    "bench_graphs",
 ]
 
 _ALIGN = 16  # bytes; Triton specialises pointers on 16-byte divisibility, aten vectorises on it
@@ -177,7 +196,7 @@ def signature_of(args: tuple, kwargs: dict, context: tuple = ()) -> tuple[tuple,
 
 
 def describe_signature(key: tuple, limit: int = 400) -> str:
-    """A readable one-line rendering of a signature key."""
+    """A readable one-line rendering of a signature key (arguments cut at `limit` characters)."""
 
     def render(spec) -> str:
         tag = spec[0]
@@ -205,9 +224,11 @@ def describe_signature(key: tuple, limit: int = 400) -> str:
 
     args, kwargs, context = key
     parts = [render(s) for s in args]
-    parts += [f"{n}={render(s)}" for n, s in kwargs if not (s[0] is type(None))]
-    text = "(" + ", ".join(parts) + f") context={context!r}"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    parts += [f"{n}={render(s)}" for n, s in kwargs if s[0] is not type(None)]
+    text = "(" + ", ".join(parts) + ")"
+    if len(text) > limit:
+        text = text[: limit - 4] + "...)"
+    return f"{text} context={context!r}"  # whole: it says which tier and hoisted values the graph is for
 
 
 def _contiguous_stride(shape) -> tuple:
@@ -313,16 +334,123 @@ def _out_build(spec, leaves):
     return spec[1]
 
 
+# ---------------------------------------------------------------- hoisted values and graph breaks
+
+_NOTHING: types.MappingProxyType = types.MappingProxyType({})
+_hoisted: contextvars.ContextVar = contextvars.ContextVar("bitfuse_graphs_hoisted", default=_NOTHING)
+_capture: contextvars.ContextVar = contextvars.ContextVar("bitfuse_graphs_capture", default=None)
+
+
+def hoisted(name: str, default=None):
+    """The value `name` that the running GraphRunner's `hoist` computed for the
+    current call (before its graph), or `default` outside such a call."""
+    return _hoisted.get().get(name, default)
+
+
+def graph_break(fn: Callable, *args, **kwargs):
+    """`fn(*args, **kwargs)`, run outside the CUDA graph a GraphRunner is capturing.
+
+    For host syncs that cannot be hoisted out of a forward: while a runner captures,
+    the graph ends here, `fn` runs eagerly, its result is kept (tensors on the
+    capture device as buffers the next graph reads; everything else as the path the
+    rest of the capture took) and a new graph begins. At replay `fn` runs again on
+    the same inputs between the graphs (see the module docstring). `fn` must be a
+    function of its arguments (no side effects). Outside a capture, just the call."""
+    capture = _capture.get()
+    if capture is None:
+        return fn(*args, **kwargs)
+    return capture.graph_break(fn, args, kwargs)
+
+
+_HOST_TENSOR = object()
+
+
+def _path_spec(obj, device, leaves: list):
+    """Hashable description of a break's result: tensors on `device` by (shape,
+    dtype) and appended to `leaves`; any other tensor (host) by value; plain values
+    and containers as in signatures."""
+    if isinstance(obj, torch.Tensor):
+        if obj.device == device:
+            leaves.append(obj)
+            return (_TENSOR, tuple(obj.shape), obj.dtype)
+        return (_HOST_TENSOR, tuple(obj.shape), obj.dtype, str(obj.device), tuple(obj.flatten().tolist()))
+    t = type(obj)
+    if t is tuple or t is list:
+        return (_TUPLE if t is tuple else _LIST, tuple(_path_spec(v, device, leaves) for v in obj))
+    if t is dict:
+        return (_DICT, tuple((k, _path_spec(v, device, leaves)) for k, v in obj.items()))
+    return _spec(obj, [])  # plain values; anything unkeyable raises UnsupportedInput
+
+
+@dataclasses.dataclass(eq=False)
+class _Break:
+    """A graph break as captured: the call, and its result's path and device tensors."""
+
+    fn: Callable
+    args: tuple
+    kwargs: dict
+    spec: tuple
+    static: list  # its result's tensors on the capture device: the next graph reads these
+
+
+class _Capture:
+    """One capture in progress: the call split into graphs at its graph breaks."""
+
+    def __init__(self, backend, device, data: list):
+        self.backend = backend
+        self.device = device
+        self.data = list(data)  # tensors whose values change per call (inputs, break results)
+        self.steps: list = []  # graphs and _Breaks, in call order
+        self.first = None  # the first graph: later ones share its memory pool
+        self.open = None
+
+    def begin(self) -> None:
+        self.open = self.backend.begin(self.device, self.first, self.data)
+        if self.first is None:
+            self.first = self.open
+
+    def end(self) -> None:
+        graph, self.open = self.open, None
+        self.backend.end(graph)
+        self.steps.append(graph)
+        self.backend.replay(graph)  # real values in its memory: a break may read them
+
+    def graph_break(self, fn: Callable, args: tuple, kwargs: dict):
+        self.end()
+        token = _capture.set(None)  # fn runs eagerly, nested breaks included
+        try:
+            value = fn(*args, **kwargs)
+        finally:
+            _capture.reset(token)
+        leaves: list = []
+        spec = _path_spec(value, self.device, leaves)
+        self.steps.append(_Break(fn, args, kwargs, spec, leaves))
+        self.data.extend(leaves)
+        self.begin()
+        return value
+
+    def abort(self) -> None:
+        graph, self.open = self.open, None
+        try:
+            if graph is not None:
+                self.backend.abort(graph, self.device)
+        finally:
+            for step in self.steps:
+                if not isinstance(step, _Break):
+                    with contextlib.suppress(Exception):
+                        self.backend.release(step)
+
+
 # ---------------------------------------------------------------- capture backends
 
 
 class CUDAGraphBackend:
-    """Capture and replay with `torch.cuda.CUDAGraph`.
+    """Capture and replay with `torch.cuda.CUDAGraph`, one graph per segment.
 
-    pool: None gives every graph a private memory pool; a handle from
-    `torch.cuda.graph_pool_handle()` (or the runner's "shared" option) makes its
-    graphs share one, which the runner allows only when it clones outputs (see
-    GraphRunner)."""
+    pool: None gives every capture (a signature's path) a private memory pool that
+    its segments share; a handle from `torch.cuda.graph_pool_handle()` (or the
+    runner's "shared" option) makes all captures share one, which the runner allows
+    only when it clones outputs (see GraphRunner)."""
 
     name = "cuda"
 
@@ -353,8 +481,7 @@ class CUDAGraphBackend:
 
     # one warmup stream and one capture stream per device for the process: every new
     # stream would get its own cuBLAS workspace (allocated through the caching
-    # allocator and kept for good); torch.cuda.graph's default capture stream lives
-    # on whichever device was current when it was first used
+    # allocator and kept for good)
     _streams: dict = {}
 
     def _stream(self, role: str, device):
@@ -377,39 +504,45 @@ class CUDAGraphBackend:
                 call()
         main.wait_stream(side)
 
-    def capture(self, call: Callable, device):
-        """(graph, static outputs, memory stats). Raises if capture fails."""
+    @contextlib.contextmanager
+    def session(self, device):
+        """Around one capture (all its segments and breaks): a clean allocator, the
+        capture stream, and the memory it left allocated (the yielded dict, filled on exit)."""
         torch.cuda.synchronize(device)
         gc.collect()
-        torch.cuda.empty_cache()  # torch.cuda.graph does this too; do it first so the deltas are clean
+        torch.cuda.empty_cache()  # as torch.cuda.graph does; first, so that the deltas are clean
+        stats: dict = {}
         allocated0 = torch.cuda.memory_allocated(device)
         reserved0 = torch.cuda.memory_reserved(device)
-        graph = torch.cuda.CUDAGraph()
+        main, stream = torch.cuda.current_stream(device), self._stream("capture", device)
+        stream.wait_stream(main)
         try:
-            with torch.cuda.graph(
-                graph, pool=self.pool, stream=self._stream("capture", device), capture_error_mode=self.capture_error_mode
-            ):
-                out = call()
-        except BaseException:
+            with torch.cuda.stream(stream):
+                yield stats
+        finally:
+            main.wait_stream(stream)  # segments replayed during capture ran there
+        torch.cuda.synchronize(device)
+        stats["capture_allocated_bytes"] = torch.cuda.memory_allocated(device) - allocated0
+        stats["capture_reserved_bytes"] = torch.cuda.memory_reserved(device) - reserved0
+
+    def begin(self, device, first, data):
+        graph = torch.cuda.CUDAGraph()
+        pool = self.pool if self.pool is not None else (first.pool() if first is not None else None)
+        graph.capture_begin(pool=pool, capture_error_mode=self.capture_error_mode)
+        return graph
+
+    def end(self, graph) -> None:
+        graph.capture_end()
+
+    def abort(self, graph, device) -> None:
+        """End a capture that failed (its error, if any, is raised in the context of
+        the original one), and take the device's RNG out of capture mode."""
+        try:
+            graph.capture_end()
+        finally:
             with contextlib.suppress(Exception):
                 graph.reset()
             _release_generator(device)
-            raise
-        leaves: list = []
-        _out_spec(out, leaves)
-        stray = sorted({str(t.device) for t in leaves if t.device != device})
-        if stray:
-            graph.reset()
-            raise RuntimeError(
-                f"outputs on {', '.join(stray)}: work off the capture device is not recorded, "
-                "a replay would return values from the capture"
-            )
-        torch.cuda.synchronize(device)
-        stats = {
-            "capture_allocated_bytes": torch.cuda.memory_allocated(device) - allocated0,
-            "capture_reserved_bytes": torch.cuda.memory_reserved(device) - reserved0,
-        }
-        return graph, out, stats
 
     def replay(self, graph) -> None:
         graph.replay()
@@ -432,29 +565,70 @@ def _release_generator(device) -> None:
         gen.graphsafe_set_state(gen.clone_state())
 
 
+# aten ops that read a tensor's values on the host (or size their output by them)
+_HOST_READS = frozenset({
+    "aten::_local_scalar_dense", "aten::equal", "aten::nonzero", "aten::masked_select", "aten::_unique2",
+    "aten::unique_dim", "aten::unique_consecutive",
+})
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class _Recorder(TorchDispatchMode):
+    """Records every aten op run under it, with the tensors it read and returned;
+    refuses a host read of a value that depends on the call's data (`data`)."""
+
+    def __init__(self, data):
+        super().__init__()
+        self.ops: list = []
+        self.tainted = {_storage_key(t) for t in data}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = [t for t in _pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        tainted = any(_storage_key(t) in self.tainted for t in inputs)
+        if tainted and func._schema.name in _HOST_READS:
+            raise RuntimeError(
+                f"CUDA error: operation not permitted when stream is capturing (emulated: {func} reads on "
+                "the host a value that depends on the graph's inputs)"
+            )
+        out = func(*args, **kwargs)
+        self.ops.append((func, args, kwargs, out))
+        if tainted:
+            self.tainted.update(_storage_key(t) for t in _pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+
 class _EmulatedGraph:
-    def __init__(self, call, out):
-        self.call = call
-        leaves: list = []
-        self.spec = _out_spec(out, leaves)
-        self.leaves = leaves
+    def __init__(self, recorder: _Recorder):
+        self.recorder = recorder
 
 
 class EmulatedGraphBackend:
-    """Runs the runner's bookkeeping without CUDA graphs, on any device: "capture"
-    runs the call once and keeps its outputs as the static outputs; "replay" runs
-    the call again on the static inputs and writes the results into the static
-    outputs in place, as a graph replay would. For CPU tests and debugging."""
+    """CUDA-graph semantics on any device, for tests and debugging.
+
+    A capture records every aten op the call runs (a TorchDispatchMode), running
+    it; a replay re-runs the recorded ops on the very tensors of the capture and
+    writes each result into the tensor the capture produced, as a graph replay
+    rewrites its memory. Python code does not run at replay. So a static input not
+    refilled, a break's result not copied back, an output not cloned, or a value
+    baked in at capture shows up here as on the GPU. Like stream capture, a
+    recording refuses a host read (`.item()`, `bool(t)`, `torch.equal`, `nonzero`)
+    of a value computed from the call's inputs or break results ("operation not
+    permitted when stream is capturing"); host reads of constants (parameters,
+    tensors made in the forward) pass, as host tensors do on the GPU."""
 
     name = "emulated"
 
     def __init__(self):
-        self.captures = 0
+        self.captures = 0  # graphs (segments) recorded
         self.replays = 0
         self.released = 0
 
     def capturing(self) -> bool:
-        return False
+        return any(isinstance(m, _Recorder) for m in _get_current_dispatch_mode_stack())
 
     def rejects(self, tensors: list) -> str | None:
         return None
@@ -469,22 +643,33 @@ class EmulatedGraphBackend:
         for _ in range(n):
             call()
 
-    def capture(self, call: Callable, device):
-        out = call()
+    @contextlib.contextmanager
+    def session(self, device):
+        yield {"capture_allocated_bytes": 0, "capture_reserved_bytes": 0}
+
+    def begin(self, device, first, data) -> _EmulatedGraph:
+        recorder = _Recorder(data)
+        recorder.__enter__()
+        return _EmulatedGraph(recorder)
+
+    def end(self, graph: _EmulatedGraph) -> None:
+        graph.recorder.__exit__(None, None, None)
         self.captures += 1
-        return _EmulatedGraph(call, out), out, {"capture_allocated_bytes": 0, "capture_reserved_bytes": 0}
+
+    def abort(self, graph: _EmulatedGraph, device) -> None:
+        graph.recorder.__exit__(None, None, None)
 
     def replay(self, graph: _EmulatedGraph) -> None:
-        leaves: list = []
-        spec = _out_spec(graph.call(), leaves)
-        if spec != graph.spec or len(leaves) != len(graph.leaves):
-            raise RuntimeError("emulated replay: the output structure changed since capture")
-        for dst, src in zip(graph.leaves, leaves):
-            dst.copy_(src)
+        for func, args, kwargs, out in graph.recorder.ops:
+            result = func(*args, **kwargs)
+            for dst, src in zip(_pytree.tree_leaves(out), _pytree.tree_leaves(result)):
+                # a view or an in-place result already lives in the capture's memory
+                if isinstance(dst, torch.Tensor) and _storage_key(dst) != _storage_key(src):
+                    dst.copy_(src)
         self.replays += 1
 
     def release(self, graph: _EmulatedGraph) -> None:
-        graph.call = None
+        graph.recorder.ops.clear()
         self.released += 1
 
 
@@ -492,25 +677,50 @@ class EmulatedGraphBackend:
 
 
 @dataclasses.dataclass(eq=False)
+class _Path:
+    """One captured path of a signature: its graphs with the breaks between them."""
+
+    steps: list
+    out_spec: Any
+    out_leaves: list
+    capture_s: float
+    stats: dict
+    hits: int = 0
+
+    @property
+    def breaks(self) -> list[_Break]:
+        return [s for s in self.steps if isinstance(s, _Break)]
+
+    @property
+    def key(self) -> tuple:
+        return tuple(b.spec for b in self.breaks)
+
+    @property
+    def segments(self) -> int:
+        return len(self.steps) - len(self.breaks)
+
+
+@dataclasses.dataclass(eq=False)
 class _Entry:
+    """A signature with graphs: its static inputs, constants, and captured paths."""
+
     key: tuple
-    graph: Any = None
     device: Any = None
+    call: Callable | None = None  # fn on the static inputs (and constants, hoisted values)
+    hoisted: Any = dataclasses.field(default=None)  # the hoist's values (part of the key)
     inputs: list = dataclasses.field(default_factory=list)  # _StaticInput per tensor argument
     constants: dict = dataclasses.field(default_factory=dict)  # from `prepare`, held for the graph's life
-    out_spec: Any = None
-    out_leaves: list = dataclasses.field(default_factory=list)
+    paths: list = dataclasses.field(default_factory=list)  # _Path, most recently used first
     hits: int = 0
-    capture_s: float = 0.0
-    stats: dict = dataclasses.field(default_factory=dict)
 
     def static_bytes(self) -> dict:
+        outputs = [t for p in self.paths for t in p.out_leaves]
+        breaks = [t for p in self.paths for b in p.breaks for t in b.static]
         return {
             "static_input_bytes": sum(s.nbytes for s in self.inputs),
-            "static_output_bytes": sum(t.untyped_storage().nbytes() for t in _unique_storages(self.out_leaves)),
-            "constant_bytes": sum(
-                t.untyped_storage().nbytes() for t in _unique_storages(_leaves_of(self.constants))
-            ),
+            "static_output_bytes": _bytes(outputs),
+            "constant_bytes": _bytes(_leaves_of(self.constants)),
+            "break_bytes": _bytes(breaks),
         }
 
 
@@ -521,20 +731,34 @@ class _Eager:
     hits: int = 0
 
 
+class _Diverged(Exception):
+    """A replay's break returned another path than the capture's (`observed`: the
+    path so far, the diverging value last)."""
+
+    def __init__(self, observed: tuple):
+        super().__init__(observed)
+        self.observed = observed
+
+
+class _WarmupError(Exception):
+    """Carries (as __cause__) an error the function raised during warmup: its own
+    error, which it would raise eagerly too (not a capture failure)."""
+
+
 def _leaves_of(obj) -> list:
     leaves: list = []
     _out_spec(obj, leaves)
     return leaves
 
 
-def _unique_storages(tensors) -> list:
-    seen, out = set(), []
+def _bytes(tensors) -> int:
+    seen, total = set(), 0
     for t in tensors:
         p = t.untyped_storage().data_ptr()
         if p not in seen:
             seen.add(p)
-            out.append(t)
-    return out
+            total += t.untyped_storage().nbytes()
+    return total
 
 
 def _exception_text(exc: BaseException) -> str:
@@ -549,29 +773,34 @@ def _exception_text(exc: BaseException) -> str:
     return " <- during: ".join(parts)
 
 
-_COUNTS = ("calls", "captures", "capture_failures", "evictions", "replays", "eager")
+_COUNTS = ("calls", "captures", "capture_failures", "evictions", "replays", "divergences", "eager")
 
 
 class GraphRunner:
     """Call `fn` through CUDA graphs, one per call signature (see the module docstring).
 
-    fn: the callable to capture (for a model, its original forward).
-    max_graphs: how many graphs to keep (LRU); the least recently used is released.
+    fn: the callable to capture (for a model, its forward).
+    max_graphs: how many signatures to keep graphs for (LRU); the least recently
+        used is released.
+    max_paths: how many paths (see graph_break) to keep per signature.
     warmup: eager runs before capture, on a side stream (>= 1 lets every
         first-sight gate reach its verdict, so capture records the fast paths).
     reuse_outputs: return the static outputs themselves (no clone); the next
         replay of that graph overwrites them.
-    pool: None (a private memory pool per graph), "shared" (one pool for all of
-        this runner's graphs: much less memory when several signatures are live;
+    pool: None (a private memory pool per captured path), "shared" (one pool for all
+        of this runner's graphs: much less memory when several signatures are live;
         safe here because replays are serialised and outputs are cloned before
         another graph runs), or a `torch.cuda.graph_pool_handle()`.
     backend: the capture mechanism (default CUDAGraphBackend).
     prepare: `prepare(args, kwargs) -> dict`, called once per new signature outside
         capture with the static arguments; the returned keyword arguments (tensors
-        constant for the signature, e.g. RoPE coordinates) are passed to `fn` at
-        warmup and capture and held for the graph's life.
-    context: extra `() -> hashable` that keys the signature (e.g. mounted tiers),
-        added to default_context().
+        constant for the signature) are passed to `fn` at warmup and capture and
+        held for the graph's life.
+    hoist: `hoist(args, kwargs) -> {name: plain value}`, called on every call before
+        its signature is keyed, outside capture: host syncs moved out of `fn`. The
+        values join the signature and `fn` reads them with `hoisted(name)`.
+    context: `() -> hashable`, read on every call, added to the signature (e.g. the
+        tiers mounted on a model's sites).
     """
 
     def __init__(
@@ -579,17 +808,21 @@ class GraphRunner:
         fn: Callable,
         *,
         max_graphs: int = 8,
+        max_paths: int = 2,
         warmup: int = 2,
         reuse_outputs: bool = False,
         pool=None,
         backend=None,
-        prepare: Callable | None = None,
+        prepare: Callable[[tuple, dict], dict] | None = None,
+        hoist: Callable[[tuple, dict], dict] | None = None,
         context: Callable[[], Any] | None = None,
         capture_error_mode: str = "global",
         name: str | None = None,
     ):
         if int(max_graphs) < 1:
             raise ValueError(f"max_graphs must be at least 1, got {max_graphs}")
+        if int(max_paths) < 1:
+            raise ValueError(f"max_paths must be at least 1, got {max_paths}")
         if int(warmup) < 0:
             raise ValueError(f"warmup must be >= 0, got {warmup}")
         if pool is not None and reuse_outputs:
@@ -599,9 +832,11 @@ class GraphRunner:
             )
         self.fn = fn
         self.max_graphs = int(max_graphs)
+        self.max_paths = int(max_paths)
         self.warmup = int(warmup)
         self.reuse_outputs = bool(reuse_outputs)
         self.prepare = prepare
+        self.hoist = hoist
         self.context = context
         self.name = name or getattr(fn, "__qualname__", type(fn).__name__)
         if backend is None:
@@ -612,12 +847,12 @@ class GraphRunner:
             backend = CUDAGraphBackend(pool=pool, capture_error_mode=capture_error_mode)
         self.backend = backend
         self.enabled = True
-        self._on_restore: Callable | None = None
+        self._on_restore: Callable[[], Any] | None = None
         self._graphs: collections.OrderedDict[tuple, _Entry] = collections.OrderedDict()
         self._eager: dict[tuple, _Eager] = {}
         self._warned: set = set()
         self._lock = threading.RLock()
-        self.counts = collections.Counter()  # calls, captures, capture_failures, evictions, replays, eager
+        self.counts = collections.Counter()
 
     # -------------------------------------------------------------- calling
 
@@ -625,33 +860,44 @@ class GraphRunner:
         if not self.enabled or self.backend.capturing():
             # inside someone else's capture: the outer graph records our eager ops
             return self.fn(*args, **kwargs)
+        values = types.MappingProxyType(dict(self.hoist(args, kwargs))) if self.hoist is not None else _NOTHING
         context = default_context()
         if self.context is not None:
             context = context + (self.context(),)
+        if values:
+            context = context + (("hoisted",) + tuple(sorted(values.items())),)
         try:
             key, tensors = signature_of(args, kwargs, context)
-        except UnsupportedInput as exc:
+            hash(key)
+        except (UnsupportedInput, TypeError) as exc:
             self._warn_once(("unsupported", str(exc)), f"cannot key {exc}; calling {self.name} eagerly")
             self.counts["eager"] += 1
-            return self.fn(*args, **kwargs)
+            return self._eager_call(values, args, kwargs)
         with self._lock:
             self.counts["calls"] += 1
             entry = self._graphs.get(key)
             if entry is not None:
                 self._graphs.move_to_end(key)
                 entry.hits += 1
-                return self._replay(entry, tensors)
+                return self._replay(entry, tensors, args, kwargs)
             eager = self._eager.get(key)
             if eager is None:
                 reason = self._rejects(tensors)
                 if reason is None:
-                    return self._first_sight(key, tensors, args, kwargs)
+                    return self._first_sight(key, values, tensors, args, kwargs)
                 eager = self._eager[key] = _Eager(key, reason)
                 self._warn_once(("rejected", reason), f"{reason}; calling {self.name} eagerly")
             else:
                 eager.hits += 1
         self.counts["eager"] += 1
-        return self.fn(*args, **kwargs)
+        return self._eager_call(values, args, kwargs)
+
+    def _eager_call(self, values, args, kwargs):
+        token = _hoisted.set(values)
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            _hoisted.reset(token)
 
     def _rejects(self, tensors) -> str | None:
         if torch.is_grad_enabled():
@@ -659,9 +905,9 @@ class GraphRunner:
             return "autograd is enabled (call under torch.no_grad() or torch.inference_mode())"
         return self.backend.rejects(tensors)
 
-    def _first_sight(self, key, tensors, args, kwargs):
+    def _first_sight(self, key, values, tensors, args, kwargs):
         spec_args, spec_kwargs, _ = key
-        entry = _Entry(key, device=self.backend.device(tensors))
+        entry = _Entry(key, device=self.backend.device(tensors), hoisted=values)
         with self.backend.context(entry.device):
             entry.inputs = [_StaticInput(t) for t in tensors]
             leaves = iter([s.tensor for s in entry.inputs])
@@ -673,50 +919,137 @@ class GraphRunner:
             fn = self.fn
 
             def call():
-                return fn(*s_args, **call_kwargs)
+                token = _hoisted.set(values)
+                try:
+                    return fn(*s_args, **call_kwargs)
+                finally:
+                    _hoisted.reset(token)
 
-            # Errors in warmup are the function's own (they would happen eagerly too): raise them.
-            self.backend.warmup(call, self.warmup, entry.device)
-            t0 = time.perf_counter()
+            entry.call = call
             try:
-                graph, out, stats = self.backend.capture(call, entry.device)
+                out = self._capture_path(entry, tensors)
+            except _WarmupError as exc:
+                raise exc.__cause__ from None  # the function's own error: it would happen eagerly too
             except Exception as exc:
-                return self._capture_failed(key, exc, args, kwargs)
-            entry.capture_s = time.perf_counter() - t0
-            entry.graph, entry.stats = graph, stats
-            entry.out_spec = _out_spec(out, entry.out_leaves)
-            self.counts["captures"] += 1
+                return self._capture_failed(entry, exc, args, kwargs)
             self._graphs[key] = entry
             self._evict()
-            # capture records without running: the first result comes from a replay (inputs
-            # refilled in case the function wrote to them during warmup)
-            return self._replay(entry, tensors)
+            return out
 
-    def _capture_failed(self, key, exc, args, kwargs):
+    def _capture_path(self, entry: _Entry, tensors):
+        """Warm up and capture `entry.call` on the current inputs: a new path of the
+        signature, served to this call (the capture replays each graph as it ends)."""
+        for static, x in zip(entry.inputs, tensors):
+            static.fill(x)
+        try:
+            self.backend.warmup(entry.call, self.warmup, entry.device)
+        except Exception as exc:
+            raise _WarmupError() from exc
+        for static, x in zip(entry.inputs, tensors):
+            static.fill(x)  # in case the function wrote to them
+        capture = _Capture(self.backend, entry.device, [s.tensor for s in entry.inputs])
+        t0 = time.perf_counter()
+        with self.backend.session(entry.device) as stats:
+            token = _capture.set(capture)
+            try:
+                capture.begin()
+                out = entry.call()
+                capture.end()
+            except BaseException:
+                _capture.reset(token)
+                token = None
+                capture.abort()
+                raise
+            finally:
+                if token is not None:
+                    _capture.reset(token)
+        path = _Path(capture.steps, None, [], time.perf_counter() - t0, dict(stats))
+        path.out_spec = _out_spec(out, path.out_leaves)
+        stray = sorted({str(t.device) for t in path.out_leaves if t.device != entry.device})
+        if stray:
+            self._release_path(path)
+            raise RuntimeError(
+                f"outputs on {', '.join(stray)}: work off the capture device is not recorded, "
+                "a replay would return values from the capture"
+            )
+        entry.paths.insert(0, path)
+        self.counts["captures"] += 1
+        self.counts["replays"] += 1
+        return self._outputs(path)
+
+    def _capture_failed(self, entry: _Entry, exc: BaseException, args, kwargs):
         text = _exception_text(exc)
         self.counts["capture_failures"] += 1
-        self._eager[key] = _Eager(key, f"capture failed: {text}")
+        self._graphs.pop(entry.key, None)
+        self._release(entry)
+        self._eager[entry.key] = _Eager(entry.key, f"capture failed: {text}")
         warnings.warn(
-            f"bitfuse.graphs: CUDA-graph capture of {self.name} failed for {describe_signature(key)}: {text}; "
+            f"bitfuse.graphs: CUDA-graph capture of {self.name} failed for {describe_signature(entry.key)}: {text}; "
             "this signature runs eagerly from now on",
             GraphCaptureWarning,
             stacklevel=4,
         )
         self.counts["eager"] += 1
-        return self.fn(*args, **kwargs)
+        return self._eager_call(entry.hoisted, args, kwargs)
 
-    def _replay(self, entry: _Entry, tensors):
+    def _replay(self, entry: _Entry, tensors, args, kwargs):
+        observed: tuple = ()
         with self.backend.context(entry.device):
-            if tensors is not None:
-                for static, x in zip(entry.inputs, tensors):
-                    static.fill(x)
-            self.backend.replay(entry.graph)
-            self.counts["replays"] += 1
-            if self.reuse_outputs:
-                leaves = iter(entry.out_leaves)
-            else:
-                leaves = iter([t.clone() for t in entry.out_leaves])
-            return _out_build(entry.out_spec, leaves)
+            for path in list(entry.paths):
+                if path.key[: len(observed)] != observed:
+                    continue  # diverges where this call's breaks already went elsewhere
+                try:
+                    out = self._run(entry, path, tensors)
+                except _Diverged as d:
+                    observed = d.observed
+                    self.counts["divergences"] += 1
+                    continue
+                path.hits += 1
+                if entry.paths[0] is not path:
+                    entry.paths.remove(path)
+                    entry.paths.insert(0, path)
+                return out
+            # no captured path fits this call's data
+            if len(entry.paths) < self.max_paths:
+                try:
+                    return self._capture_path(entry, tensors)
+                except _WarmupError as exc:
+                    raise exc.__cause__ from None
+                except Exception as exc:
+                    return self._capture_failed(entry, exc, args, kwargs)
+        self.counts["eager"] += 1
+        return self._eager_call(entry.hoisted, args, kwargs)
+
+    def _run(self, entry: _Entry, path: _Path, tensors):
+        """Replay one path; raises _Diverged where a break leaves it."""
+        for static, x in zip(entry.inputs, tensors):
+            static.fill(x)
+        observed = []
+        token = _hoisted.set(entry.hoisted)
+        try:
+            for step in path.steps:
+                if not isinstance(step, _Break):
+                    self.backend.replay(step)
+                    continue
+                value = step.fn(*step.args, **step.kwargs)
+                leaves: list = []
+                try:
+                    spec = _path_spec(value, entry.device, leaves)
+                except UnsupportedInput as exc:
+                    spec = ("unkeyable", str(exc))
+                observed.append(spec)
+                if spec != step.spec:
+                    raise _Diverged(tuple(observed))
+                for dst, src in zip(step.static, leaves):
+                    dst.copy_(src)
+        finally:
+            _hoisted.reset(token)
+        self.counts["replays"] += 1
+        return self._outputs(path)
+
+    def _outputs(self, path: _Path):
+        leaves = path.out_leaves if self.reuse_outputs else [t.clone() for t in path.out_leaves]
+        return _out_build(path.out_spec, iter(leaves))
 
     def _evict(self) -> None:
         while len(self._graphs) > self.max_graphs:
@@ -724,13 +1057,20 @@ class GraphRunner:
             self._release(old)
             self.counts["evictions"] += 1
 
+    def _release_path(self, path: _Path) -> None:
+        for step in path.steps:
+            if not isinstance(step, _Break):
+                self.backend.release(step)
+        path.steps = []
+        path.out_leaves = []
+
     def _release(self, entry: _Entry) -> None:
-        if entry.graph is not None:
-            self.backend.release(entry.graph)
-        entry.graph = None
+        for path in entry.paths:
+            self._release_path(path)
+        entry.paths = []
         entry.inputs = []
-        entry.out_leaves = []
         entry.constants = {}
+        entry.call = None
 
     def _warn_once(self, key, message: str) -> None:
         if key in self._warned:
@@ -767,32 +1107,36 @@ class GraphRunner:
         return len(self._graphs)
 
     def keys(self) -> list[tuple]:
-        """Signatures with a live graph, least recently used first."""
+        """Signatures with live graphs, least recently used first."""
         return list(self._graphs)
 
     def report(self) -> dict:
-        """Per-signature memory and hit counts, graphs least recently used first.
+        """Per-signature memory, hits and segments, graphs least recently used first.
 
-        static_input_bytes / static_output_bytes / constant_bytes are exact;
-        capture_allocated_bytes (memory_allocated after capture minus before: the
-        static outputs and whatever else the capture left allocated) and
-        capture_reserved_bytes (the same for memory_reserved: the pool's growth)
-        estimate what the graph's pool holds."""
+        Per graphed signature: hits (calls after the first), segments (graphs in its
+        most recently used path: 1 without graph breaks), paths (captured paths) and
+        their segment counts; static_input / static_output / constant / break bytes
+        are exact; capture_allocated_bytes (memory_allocated after capture minus
+        before) and capture_reserved_bytes (the same for memory_reserved: the pools'
+        growth) estimate what the graphs hold, summed over paths."""
         with self._lock:
             rows = []
             for entry in self._graphs.values():
+                paths = entry.paths
                 row = {
                     "signature": describe_signature(entry.key),
                     "state": "graph",
                     "hits": entry.hits,
-                    "capture_s": round(entry.capture_s, 6),
+                    "segments": paths[0].segments,
+                    "paths": [{"segments": p.segments, "breaks": len(p.breaks), "hits": p.hits} for p in paths],
+                    "capture_s": round(sum(p.capture_s for p in paths), 6),
+                    "capture_allocated_bytes": sum(p.stats.get("capture_allocated_bytes", 0) for p in paths),
+                    "capture_reserved_bytes": sum(p.stats.get("capture_reserved_bytes", 0) for p in paths),
                     **entry.static_bytes(),
-                    **entry.stats,
                 }
                 row["total_bytes_estimate"] = (
-                    row["static_input_bytes"]
-                    + row["constant_bytes"]
-                    + max(row.get("capture_reserved_bytes", 0), row["static_output_bytes"])
+                    row["static_input_bytes"] + row["constant_bytes"] + row["break_bytes"]
+                    + max(row["capture_reserved_bytes"], row["static_output_bytes"])
                 )
                 rows.append(row)
             for e in self._eager.values():
@@ -810,289 +1154,57 @@ class GraphRunner:
             }
 
 
-# ---------------------------------------------------------------- models
+# ---------------------------------------------------------------- a module's forward
 
 _UNSET = object()
 
 
-def ltx2_coords_prepare(model) -> Callable | None:
-    """For diffusers' LTX2VideoTransformer3DModel: a `prepare` that computes the
-    RoPE coordinates the forward would compute, when the caller passed none.
-
-    Why: the forward's `rope.prepare_video_coords` builds `torch.tensor(patch_size)`
-    and `torch.tensor(scale_factors)` on the host and copies them (pageable) to the
-    GPU, which stream capture forbids (FIELD_NOTES: whole-forward capture fails).
-    The forward takes `video_coords` / `audio_coords`; given them it skips that
-    code. So the coordinates are computed once per signature, outside capture, by
-    the same methods with the same arguments as the forward (LTX2 forward, step 1:
-    `prepare_video_coords(batch_size, num_frames, height, width,
-    hidden_states.device, fps=fps)` and `prepare_audio_coords(batch_size,
-    audio_num_frames, audio_hidden_states.device)`, batch_size =
-    hidden_states.size(0)), and passed as constant inputs of the graph; everything
-    they depend on (batch size, devices, num_frames, height, width, fps,
-    audio_num_frames) is in the signature. Bit-identical by construction, no
-    copy per replay, and one graph for the whole forward. Splitting the graph
-    around the host code ("breakable" graphs) would also work but costs a graph
-    boundary and more machinery for nothing here: the rest of the forward
-    captures as is."""
-    rope = getattr(model, "rope", None)
-    audio_rope = getattr(model, "audio_rope", None)
-    if not (hasattr(rope, "prepare_video_coords") and hasattr(audio_rope, "prepare_audio_coords")):
-        return None
-    try:
-        # the class's forward: an instance-level wrapper must accept the same call
-        sig = inspect.signature(type(model).forward)
-    except (TypeError, ValueError):
-        return None
-    params = list(sig.parameters)
-    needed = ("hidden_states", "audio_hidden_states", "video_coords", "audio_coords")
-    if not all(n in params for n in needed):
-        return None
-    positional = {n: params.index(n) - 1 for n in ("video_coords", "audio_coords")}  # -1: self
-
-    def prepare(args: tuple, kwargs: dict) -> dict:
-        try:
-            bound = sig.bind(model, *args, **kwargs)
-        except TypeError:
-            return {}
-        bound.apply_defaults()
-        a = bound.arguments
-        extra = {}
-        hidden, audio_hidden = a["hidden_states"], a["audio_hidden_states"]
-        if not isinstance(hidden, torch.Tensor) or not isinstance(audio_hidden, torch.Tensor):
-            return {}
-        batch_size = hidden.size(0)
-        # given positionally (even as None) they can't be added as keywords: leave the call alone
-        if a.get("video_coords") is None and len(args) <= positional["video_coords"]:
-            with contextlib.suppress(Exception):  # bad arguments: let the forward raise its own error
-                extra["video_coords"] = rope.prepare_video_coords(
-                    batch_size, a.get("num_frames"), a.get("height"), a.get("width"), hidden.device, fps=a.get("fps")
-                )
-        if a.get("audio_coords") is None and len(args) <= positional["audio_coords"]:
-            with contextlib.suppress(Exception):
-                extra["audio_coords"] = audio_rope.prepare_audio_coords(
-                    batch_size, a.get("audio_num_frames"), audio_hidden.device
-                )
-        return extra
-
-    return prepare
+def graph_runner_of(model: torch.nn.Module) -> GraphRunner | None:
+    """The GraphRunner that wrap_model_for_graphs installed on `model`, if any."""
+    return getattr(model.__dict__.get("forward"), "_bitfuse_graph_runner", None)
 
 
-def _model_of(handle) -> torch.nn.Module:
-    if isinstance(handle, torch.nn.Module):
-        return handle
-    model = getattr(handle, "model", None)
-    if isinstance(model, torch.nn.Module):
-        return model
-    raise TypeError(f"expected an accelerate() handle with a .model, or a torch.nn.Module; got {type(handle).__name__}")
+def wrap_model_for_graphs(model: torch.nn.Module, **options) -> GraphRunner:
+    """Route `model.forward` (instance level) through a new GraphRunner; returns it.
 
-
-def _sites_context(model) -> Callable[[], Any]:
-    """The tiers mounted on the model's sites, read at every call (cheap: the
-    Site objects are collected once)."""
-    from .sites import sites_of
-
-    sites = sites_of(model)
-
-    def context():
-        return tuple(sorted({s.tier for s in sites}, key=str))
-
-    return context
-
-
-def runner_for_model(model: torch.nn.Module, forward: Callable | None = None, **options) -> GraphRunner:
-    """A GraphRunner for a model's forward, with the model's `prepare` (LTX-2 RoPE
-    coordinates) and its mounted tiers in the signature. `forward` defaults to
-    the model's current forward (bound); options go to GraphRunner."""
-    if forward is None:
-        forward = model.forward
-    options.setdefault("prepare", ltx2_coords_prepare(model))
-    options.setdefault("context", _sites_context(model))
-    options.setdefault("name", f"{type(model).__name__}.forward")
-    return GraphRunner(forward, **options)
-
-
-def graph_runner_of(model) -> GraphRunner | None:
-    """The GraphRunner installed on a model (or handle) by wrap_model_for_graphs, if any."""
-    model = _model_of(model)
-    fwd = model.__dict__.get("forward")
-    return getattr(fwd, "_bitfuse_graph_runner", None)
-
-
-def wrap_model_for_graphs(handle, **options) -> GraphRunner:
-    """Route `model.forward` (instance level) through a GraphRunner and return it.
-
-    handle: what `bitfuse.accelerate` returned (its `.model` is wrapped), or a
-    module. Options go to GraphRunner (max_graphs, warmup, reuse_outputs, pool,
-    backend, ...). Wrapping twice replaces the first runner.
-
-    Undoing it: `runner.restore()` (or `unwrap_model_for_graphs(model)`) puts the
-    previous forward back and releases every graph. `handle.restore()` does it
-    too: a handle with a `graphs` attribute (LTX2Handle) keeps the runner there
-    and calls `handle.graphs.restore()` first; other handles get the unwrap
-    registered through `add_restore_callback(fn)`, a `_restore_callbacks` list,
-    or, failing both, an instance-level wrapper around `handle.restore`."""
-    model = _model_of(handle)
+    options: GraphRunner's. What the model needs (a `prepare`, a `hoist`, its
+    mounted tiers as `context`) comes from its integration: `handle.enable_graphs()`
+    (or `accelerate(cuda_graphs=True)`) passes them. The wrapper keeps the forward's
+    signature (pipelines inspect it). `runner.restore()` puts the previous forward
+    back and releases the graphs; wrapping again replaces the runner."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
     unwrap_model_for_graphs(model)
-    previous = model.__dict__.get("forward", _UNSET)  # e.g. the accelerated forward accelerate() installed
-    runner = runner_for_model(model, model.forward, **options)
+    previous = model.__dict__.get("forward", _UNSET)  # e.g. the forward accelerate() installed
+    options.setdefault("name", f"{type(model).__name__}.forward")
+    runner = GraphRunner(model.forward, **options)
 
-    @functools.wraps(runner.fn)  # keeps inspect.signature(model.forward): pipelines read its parameters
+    @functools.wraps(runner.fn)
     def forward(*args, **kwargs):
         return runner(*args, **kwargs)
 
     forward._bitfuse_graph_runner = runner
     forward._bitfuse_previous_forward = previous
     model.forward = forward
-    runner._on_restore = functools.partial(unwrap_model_for_graphs, model)
-    if handle is not model:
-        if callable(getattr(handle, "add_restore_callback", None)) or isinstance(
-            getattr(handle, "_restore_callbacks", None), list
-        ):
-            _register_restore(handle, runner.restore)
-        elif hasattr(handle, "graphs"):
-            handle.graphs = runner  # the handle's restore() calls handle.graphs.restore()
-        else:
-            _register_restore(handle, runner.restore)
+    runner._on_restore = functools.partial(_unwrap, model, runner)
     return runner
 
 
-def unwrap_model_for_graphs(handle) -> bool:
-    """Remove the graph wrapper from a model (or handle) and release its graphs.
-    Returns whether there was one. Safe to call twice."""
-    model = _model_of(handle)
-    fwd = model.__dict__.get("forward")
-    runner = getattr(fwd, "_bitfuse_graph_runner", None)
-    if runner is None:
-        return False
-    previous = fwd._bitfuse_previous_forward
+def unwrap_model_for_graphs(model: torch.nn.Module) -> bool:
+    """Remove the graph wrapper from `model` and release its graphs. Returns whether
+    there was one."""
+    runner = graph_runner_of(model)
+    return runner is not None and _unwrap(model, runner)
+
+
+def _unwrap(model: torch.nn.Module, runner: GraphRunner) -> bool:
+    forward = model.__dict__.get("forward")
+    runner.close()
+    if getattr(forward, "_bitfuse_graph_runner", None) is not runner:
+        return False  # already unwrapped, or wrapped again since
+    previous = forward._bitfuse_previous_forward
     if previous is _UNSET:
         del model.forward
     else:
         model.forward = previous
-    runner.close()
-    if not isinstance(handle, torch.nn.Module) and getattr(handle, "graphs", None) is runner:
-        with contextlib.suppress(AttributeError):
-            handle.graphs = None
     return True
-
-
-def _register_restore(handle, fn: Callable) -> None:
-    """Make `handle.restore()` run `fn` first. Uses, in order: a
-    `handle.add_restore_callback(fn)` method, a `handle._restore_callbacks` list,
-    else wraps `handle.restore` at the instance level."""
-    add = getattr(handle, "add_restore_callback", None)
-    if callable(add):
-        add(fn)
-        return
-    callbacks = getattr(handle, "_restore_callbacks", None)
-    if isinstance(callbacks, list):
-        callbacks.append(fn)
-        return
-    restore = getattr(handle, "restore", None)
-    if not callable(restore):
-        raise TypeError(f"{type(handle).__name__} has no restore() to attach the graph unwrap to")
-    if getattr(restore, "_bitfuse_graph_unwrap", None) is not None:
-        restore = restore.__wrapped__
-
-    @functools.wraps(restore)
-    def restore_and_unwrap(*args, **kwargs):
-        fn()
-        if handle.__dict__.get("restore") is restore_and_unwrap:
-            del handle.__dict__["restore"]
-        return restore(*args, **kwargs)
-
-    restore_and_unwrap._bitfuse_graph_unwrap = fn
-    handle.restore = restore_and_unwrap
-
-
-# ---------------------------------------------------------------- benchmarks
-
-
-def _tree_equal(a, b) -> bool:
-    la, lb = _leaves_of(a), _leaves_of(b)
-    return len(la) == len(lb) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(la, lb))
-
-
-def _timer(fn: Callable, iters: int, cuda: bool) -> list[float]:
-    """Per-call milliseconds."""
-    times = []
-    if cuda:
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            times.append((start, end))
-        torch.cuda.synchronize()
-        return [s.elapsed_time(e) for s, e in times]
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
-
-
-def bench_graphs(
-    target,
-    kwargs: dict | None = None,
-    args: tuple = (),
-    *,
-    tier: str | None = None,
-    iters: int = 20,
-    warmup_iters: int = 3,
-    compare_eager: bool = True,
-    **runner_options,
-) -> dict:
-    """Time a forward eagerly and through CUDA graphs, side by side, and check
-    that the replay is `torch.equal` to eager under the same tier.
-
-    target: a model (its current forward is graphed, with the LTX-2 coords
-        `prepare`; if it is already wrapped by wrap_model_for_graphs, its runner
-        is used and eager means the forward under it) or any callable.
-    tier: run everything inside `bitfuse.quality(tier)` (None: the mounted tier).
-    Returns eager_ms / graph_ms (medians of `iters` calls, each including the
-    input copy and output clone), speedup, first_call_s (warmup + capture +
-    first replay), equal (replay vs eager), and the runner's report.
-    """
-    kwargs = dict(kwargs or {})
-    runner = graph_runner_of(target) if isinstance(target, torch.nn.Module) else None
-    owned = runner is None
-    if owned:
-        if isinstance(target, torch.nn.Module):
-            runner = runner_for_model(target, **runner_options)
-        else:
-            runner = GraphRunner(target, **runner_options)
-    eager = runner.fn
-    tensors = [t for t in _leaves_of((args, kwargs)) if isinstance(t, torch.Tensor)]
-    cuda = any(t.is_cuda for t in tensors)
-    scope = policy.quality(tier) if tier is not None else contextlib.nullcontext()
-    result: dict = {"tier": tier or "mounted", "iters": iters}
-    with scope, torch.no_grad():
-        ref = eager(*args, **kwargs)
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = runner(*args, **kwargs)
-        if cuda:
-            torch.cuda.synchronize()
-        result["first_call_s"] = time.perf_counter() - t0
-        result["equal"] = _tree_equal(out, ref)
-        del out, ref
-        if compare_eager:
-            for _ in range(warmup_iters):
-                eager(*args, **kwargs)
-            times = _timer(lambda: eager(*args, **kwargs), iters, cuda)
-            result["eager_ms"] = statistics.median(times)
-        for _ in range(warmup_iters):
-            runner(*args, **kwargs)
-        times = _timer(lambda: runner(*args, **kwargs), iters, cuda)
-        result["graph_ms"] = statistics.median(times)
-        result["graph_min_ms"] = min(times)
-    if compare_eager:
-        result["speedup"] = result["eager_ms"] / result["graph_ms"] if result["graph_ms"] else float("nan")
-    result["report"] = runner.report()
-    result["graphed"] = result["report"]["graphs"] > 0
-    if owned:
-        runner.close()  # free the graphs now, not whenever the runner is collected
-    return result

@@ -1,10 +1,14 @@
 """GraphRunner bookkeeping on CPU: signatures, LRU, tiers, output cloning,
-capture-failure fallback, static buffers, the LTX-2 coords hook, wrap/restore.
+capture-failure fallback, static buffers, graph breaks and their paths, hoisted
+values, LTX-2 (stock with its coordinates `prepare`, accelerated with its hoist,
+with and without a perturbation mask), wrap/restore.
 
-The capture mechanism is swapped for EmulatedGraphBackend, whose "replay" reruns
-the function on the static inputs and writes into the static outputs in place,
-as a CUDA graph replay does; a missing input copy or a missing output clone shows
-up here exactly as it would on the GPU."""
+The capture mechanism is swapped for EmulatedGraphBackend, which records the aten
+ops of a capture and replays them on the capture's own tensors, writing into the
+static outputs in place, as a CUDA graph replay does (Python does not run at
+replay); a missing input copy, a break result not copied back or a missing output
+clone shows up here exactly as it would on the GPU, and so does a host sync inside
+a capture."""
 
 from __future__ import annotations
 
@@ -30,17 +34,16 @@ HAS_DIFFUSERS = importlib.util.find_spec("diffusers") is not None
 
 
 class Recording(EmulatedGraphBackend):
-    """Emulated backend that logs what it captured and released."""
+    """Emulated backend that logs the graphs it captured and released."""
 
     def __init__(self):
         super().__init__()
         self.log = []
 
-    def capture(self, call, device):
-        graph, out, stats = super().capture(call, device)
+    def end(self, graph):
+        super().end(graph)
         graph.label = self.captures - 1
         self.log.append(("capture", graph.label))
-        return graph, out, stats
 
     def release(self, graph):
         self.log.append(("release", graph.label))
@@ -48,21 +51,21 @@ class Recording(EmulatedGraphBackend):
 
 
 class FailingCapture(EmulatedGraphBackend):
-    """Capture raises the way torch does when a forward syncs with the host."""
+    """Capture ends with the pair of errors torch raises when a forward syncs with the host."""
 
     def __init__(self, fail_when=lambda: True):
         super().__init__()
         self.attempts = 0
         self.fail_when = fail_when
 
-    def capture(self, call, device):
+    def end(self, graph):
+        super().end(graph)
         self.attempts += 1
         if self.fail_when():
             try:
                 raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
             except RuntimeError as inner:
                 raise RuntimeError("CUDA error: operation failed due to a previous error during capture") from inner
-        return super().capture(call, device)
 
 
 class Counting:
@@ -87,6 +90,15 @@ def runner_of(fn, **kw):
 def _no_grad():
     with torch.no_grad():
         yield
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models run fastest on one intra-op thread (and CI cores are shared)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------- signatures
@@ -166,43 +178,37 @@ def test_quality_tier_is_part_of_the_signature():
 
 
 def test_a_graph_captured_in_one_tier_never_replays_in_another():
-    tiers = []
-
-    def fn(x):
-        tiers.append(policy.requested_quality())
-        return x * 3
+    def fn(x):  # the tier picks the computation, as it picks kernels; a replay can't see it
+        return x * (3 if policy.requested_quality() == "high" else 2)
 
     runner = runner_of(fn, warmup=0)
     x = torch.ones(2)
-    runner(x)
-    with bitfuse.quality("high"):
-        runner(x)
-        runner(x)
-    runner(x)
+    for _ in range(2):
+        assert torch.equal(runner(x), x * 2)
+        with bitfuse.quality("high"):
+            assert torch.equal(runner(x), x * 3)
     assert runner.backend.captures == 2
-    # each graph's function ran (capture and replays) under its own tier only
-    assert tiers == [None, None, "high", "high", "high", None]
     rows = runner.report()["signatures"]
     assert sorted(r["hits"] for r in rows) == [1, 1]
 
 
-def test_mounted_tier_is_part_of_the_signature():
-    block = torch.nn.Module()
-    site = bitfuse.mark_site(block, "toy")
-    model = torch.nn.Module()
-    model.block = block
-    model.forward = lambda x: x + 1
-    runner = graphs.runner_for_model(model, backend=EmulatedGraphBackend(), warmup=0)
+def test_context_is_part_of_the_signature():
+    """A model's integration passes its mounted tiers as `context` (test_install checks that)."""
+    state = {"tier": "lossless"}
+
+    def fn(x):
+        return x + (1 if state["tier"] == "lossless" else 2)
+
+    runner = runner_of(fn, warmup=0, context=lambda: state["tier"])
     x = torch.zeros(2)
-    runner(x)
-    runner(x)
-    site.tier = "high"
-    runner(x)
-    site.tier = "lossless"
-    runner(x)
-    assert runner.backend.captures == 3
+    assert torch.equal(runner(x), x + 1) and torch.equal(runner(x), x + 1)
+    state["tier"] = "high"
+    assert torch.equal(runner(x), x + 2)
+    state["tier"] = "lossless"
+    assert torch.equal(runner(x), x + 1)
+    assert runner.backend.captures == 2
     contexts = {row["signature"].split("context=")[1] for row in runner.report()["signatures"]}
-    assert len(contexts) == 3
+    assert len(contexts) == 2
 
 
 # ---------------------------------------------------------------- capture and replay
@@ -213,12 +219,13 @@ def test_warmup_runs_before_capture_then_replays():
     runner = runner_of(fn, warmup=2)
     x = torch.randn(3, 4)
     out = runner(x)
-    # 2 warmups + 1 capture + 1 replay (emulated replays rerun the function)
-    assert fn.calls == 4 and runner.backend.captures == 1 and runner.backend.replays == 1
+    # 2 warmups + 1 capture; the capture's replay gives the first result
+    assert fn.calls == 3 and runner.backend.captures == 1 and runner.backend.replays == 1
     assert torch.equal(out, fn(x))
     fn.calls = 0
-    runner(x)
-    assert fn.calls == 1 and runner.backend.captures == 1
+    y = torch.randn(3, 4)
+    assert torch.equal(runner(y), y * 2.0 + fn.bias)
+    assert fn.calls == 0 and runner.backend.captures == 1  # a replay runs no Python
 
 
 def test_new_input_values_give_new_outputs():
@@ -240,7 +247,7 @@ def test_outputs_are_clones_not_overwritten_by_later_replays():
     assert torch.equal(out_a[0], a * 2) and torch.equal(out_a[1]["y"], a + 1)
     assert torch.equal(out_b[0], b * 2) and torch.equal(out_b[1]["y"], b + 1)
     assert out_a[0].data_ptr() != out_b[0].data_ptr()
-    static = runner._graphs[runner.keys()[0]].out_leaves
+    static = runner._graphs[runner.keys()[0]].paths[0].out_leaves
     assert all(t.data_ptr() != s.data_ptr() for t in (out_a[0], out_b[0]) for s in static)
 
 
@@ -342,7 +349,8 @@ def test_evicted_graph_drops_its_buffers():
     runner(torch.zeros(2))
     first = runner._graphs[runner.keys()[0]]
     runner(torch.zeros(3))
-    assert first.graph is None and first.inputs == [] and first.out_leaves == []
+    assert first.paths == [] and first.inputs == [] and first.call is None
+    assert runner.backend.released == 1
 
 
 def test_max_graphs_must_be_positive():
@@ -416,7 +424,7 @@ def test_capture_failure_is_per_signature():
         runner(torch.zeros(2))
     y = torch.ones(3)
     assert torch.equal(runner(y), y + 1)
-    assert backend.captures == 1 and len(runner) == 1
+    assert backend.attempts == 2 and runner.report()["captures"] == 1 and len(runner) == 1
 
 
 def test_errors_in_warmup_are_raised_not_cached():
@@ -491,6 +499,179 @@ def test_prepare_runs_once_per_signature_and_feeds_constants():
     assert runner.report()["signatures"][0]["constant_bytes"] == 12
 
 
+# ---------------------------------------------------------------- the emulator
+
+
+def test_emulated_replay_reruns_the_recorded_ops_on_the_capture_tensors():
+    """What a graph does: the ops, on the capture's memory; not the Python around them."""
+    backend = EmulatedGraphBackend()
+    x = torch.ones(3)
+    python_side = [2.0]
+    graph = backend.begin(x.device, None, [x])
+    y = x * python_side[0]  # the Python value is baked in, as a kernel argument would be
+    z = y.view(3, 1).expand(3, 2) + 1  # views and broadcasts
+    z.add_(x[:, None])  # in place
+    backend.end(graph)
+    assert torch.equal(z, torch.full((3, 2), 4.0))
+    x.fill_(5.0)
+    python_side[0] = 100.0
+    backend.replay(graph)
+    assert torch.equal(y, torch.full((3,), 10.0)) and torch.equal(z, torch.full((3, 2), 16.0))
+
+
+def test_emulated_capture_refuses_host_reads_of_input_dependent_values():
+    backend = EmulatedGraphBackend()
+    x, weight = torch.ones(3), torch.ones(3)
+    graph = backend.begin(x.device, None, [x])
+    try:
+        assert bool((weight * 2).sum() > 0)  # a constant: allowed (baked, like a host tensor on the GPU)
+        with pytest.raises(RuntimeError, match="not permitted when stream is capturing"):
+            bool((x * 2).sum() > 0)
+        with pytest.raises(RuntimeError, match="not permitted"):
+            torch.equal(x + 1, weight)
+    finally:
+        backend.abort(graph, x.device)
+    assert not backend.capturing()
+
+
+def test_a_host_sync_in_the_function_fails_capture_and_runs_eagerly():
+    def fn(x):
+        return x + 1 if bool(x.sum() > 0) else x - 1  # the branch diffusers' STG takes
+
+    runner = runner_of(fn)
+    x = torch.ones(3)
+    with pytest.warns(GraphCaptureWarning, match="not permitted when stream is capturing"):
+        assert torch.equal(runner(x), x + 1)
+    assert torch.equal(runner(-x), -x - 1)
+    assert runner.report()["capture_failures"] == 1 and runner.report()["graphs"] == 0
+
+
+# ---------------------------------------------------------------- hoisted values
+
+
+def test_hoisted_values_join_the_signature_and_reach_the_function():
+    computed = []
+
+    def hoist(args, kwargs):
+        computed.append(1)
+        return {"positive": bool(args[0].sum() > 0)}  # the sync, outside capture
+
+    def fn(x):
+        return x + 1 if graphs.hoisted("positive") else x - 1
+
+    runner = runner_of(fn, hoist=hoist)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GraphCaptureWarning)
+        for seed in range(3):
+            x = torch.rand(3, generator=torch.Generator().manual_seed(seed)) + 0.1
+            assert torch.equal(runner(x), x + 1)
+            assert torch.equal(runner(-x), -x - 1)
+    report = runner.report()
+    assert report["captures"] == 2 and report["graphs"] == 2 and len(computed) == 6
+    assert all(row["segments"] == 1 for row in report["signatures"])
+    assert {"True" in row["signature"] for row in report["signatures"]} == {True, False}
+    assert graphs.hoisted("positive", "outside") == "outside"
+
+
+# ---------------------------------------------------------------- graph breaks
+
+
+def test_graph_break_outside_a_capture_is_the_call():
+    assert graphs.graph_break(lambda a, b=0: a + b, 1, b=2) == 3
+
+
+def test_graph_break_splits_the_capture_and_replays_the_segments():
+    """A break's tensor result is a static buffer the next segment reads: refilled at
+    every replay (a stale one would give the first call's value)."""
+    breaks = []
+
+    def total(t):
+        breaks.append(1)
+        return t.sum(dim=-1, keepdim=True)
+
+    def fn(x):
+        y = x * 2
+        s = graphs.graph_break(total, y)
+        return y + s
+
+    runner = runner_of(fn, warmup=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GraphCaptureWarning)
+        for seed in range(4):
+            x = torch.randn(2, 3, generator=torch.Generator().manual_seed(seed))
+            assert torch.equal(runner(x), fn(x))
+    assert runner.backend.captures == 2  # two segments, captured once
+    (row,) = runner.report()["signatures"]
+    assert row["segments"] == 2 and row["paths"] == [{"segments": 2, "breaks": 1, "hits": 3}]
+    assert row["break_bytes"] == 2 * 4
+    # per call: the break ran once (warmup + capture, then once per replay), plus fn(x) eagerly
+    assert len(breaks) == 2 + 3 + 4
+
+
+def test_a_break_that_steers_the_forward_keeps_one_graph_per_path():
+    """A break's plain value is the path: a replay whose break returns another value
+    never finishes on the captured graph; it switches to (or captures) its own path,
+    and past max_paths it runs eagerly. Every call is exact."""
+
+    def positive(t):
+        return bool(t.sum() > 0)
+
+    def fn(x):
+        y = x * 3
+        return y + 1 if graphs.graph_break(positive, y) else y - 1
+
+    def eager(x):
+        return x * 3 + 1 if bool((x * 3).sum() > 0) else x * 3 - 1
+
+    runner = runner_of(fn, warmup=0, max_paths=2)
+    signs = [1, -1, 1, 1, -1, -1, 1]
+    for i, sign in enumerate(signs):
+        x = sign * (torch.rand(4, generator=torch.Generator().manual_seed(i)) + 0.1)
+        assert torch.equal(runner(x), eager(x)), i
+    report = runner.report()
+    (row,) = report["signatures"]
+    assert len(row["paths"]) == 2 and report["captures"] == 2 and report["eager"] == 0
+    assert sorted(p["hits"] for p in row["paths"]) == [2, 3]  # 7 calls: 2 captures, 5 replays
+    assert report["divergences"] == 4  # each change of sign after the first tries the last path first
+
+    single = runner_of(fn, warmup=0, max_paths=1)
+    for i, sign in enumerate(signs):
+        x = sign * (torch.rand(4, generator=torch.Generator().manual_seed(i)) + 0.1)
+        assert torch.equal(single(x), eager(x)), i
+    report = single.report()
+    assert report["captures"] == 1 and report["eager"] == 3  # the other sign: eager, never a stale graph
+
+
+def test_a_break_result_of_another_shape_is_another_path():
+    def nonzero(t):
+        return t.nonzero()  # data-dependent shape (a host sync on the GPU)
+
+    def fn(x):
+        idx = graphs.graph_break(nonzero, x)
+        return idx * 2
+
+    runner = runner_of(fn, warmup=0)
+    for x in (torch.tensor([1.0, 0.0, 2.0]), torch.tensor([1.0, 0.0, 0.0]), torch.tensor([0.0, 3.0, 4.0])):
+        assert torch.equal(runner(x), x.nonzero() * 2)
+    report = runner.report()
+    # 2, 1 then 2 indices: the third call replays the first path, with its own indices copied in
+    assert report["captures"] == 2 and report["replays"] == 3 and report["divergences"] == 2
+
+
+def test_breaks_in_a_nested_break_run_directly():
+    def inner(t):
+        return graphs.graph_break(lambda u: u + 1, t) * 2
+
+    def fn(x):
+        return graphs.graph_break(inner, x * 2) - 1
+
+    runner = runner_of(fn, warmup=0)
+    for v in (1.0, 2.0):
+        x = torch.full((2,), v)
+        assert torch.equal(runner(x), (x * 2 + 1) * 2 - 1)
+    assert runner.report()["signatures"][0]["segments"] == 2
+
+
 # ---------------------------------------------------------------- LTX-2
 
 
@@ -500,30 +681,40 @@ def tiny_ltx2():
         pytest.skip("needs diffusers")
     from bitfuse.models.ltx2_configs import build_model, tiny_config
 
-    return build_model(tiny_config("2.0"), dtype=torch.float32)
+    return build_model(tiny_config("2.3"), dtype=torch.float32)
 
 
-def test_ltx2_coords_are_precomputed_exactly_as_the_forward_would(tiny_ltx2):
+def _ltx2_inputs(model, seed, **options):
     from bitfuse.models.ltx2_configs import make_inputs
 
+    return make_inputs(model, batch=2, seed=seed, per_token=bool(seed % 2), **options)
+
+
+def _equal(a, b) -> bool:
+    la, lb = graphs._leaves_of(a), graphs._leaves_of(b)
+    return len(la) == len(lb) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(la, lb))
+
+
+def test_ltx2_stock_coords_are_precomputed_exactly_as_the_forward_would(tiny_ltx2):
+    from bitfuse.models import ltx2
+
     model = tiny_ltx2
-    prepare = graphs.ltx2_coords_prepare(model)
-    kwargs = make_inputs(model, batch=2, video_tokens_shape=(2, 3, 4), audio_tokens=5)
+    prepare = ltx2.stock_graph_options(model)["prepare"]
+    kwargs = _ltx2_inputs(model, 0, video_tokens_shape=(2, 3, 4), audio_tokens=5)
     extra = prepare((), kwargs)
     want_v = model.rope.prepare_video_coords(2, 2, 3, 4, torch.device("cpu"), fps=24.0)
     want_a = model.audio_rope.prepare_audio_coords(2, 5, torch.device("cpu"))
     assert torch.equal(extra["video_coords"], want_v) and torch.equal(extra["audio_coords"], want_a)
     # given coords (keyword or positional) are left alone
     assert "video_coords" not in prepare((), {**kwargs, "video_coords": want_v})
-    kwargs_fps = {**kwargs, "fps": 12.0}
-    assert not torch.equal(prepare((), kwargs_fps)["video_coords"], want_v)
+    assert not torch.equal(prepare((), {**kwargs, "fps": 12.0})["video_coords"], want_v)
 
 
-def test_ltx2_forward_through_the_runner_matches_eager(tiny_ltx2):
-    from bitfuse.models.ltx2_configs import make_inputs
+def test_ltx2_stock_forward_through_the_runner_matches_eager(tiny_ltx2):
+    from bitfuse.models import ltx2
 
     model = tiny_ltx2
-    runner = graphs.runner_for_model(model, backend=EmulatedGraphBackend())
+    runner = GraphRunner(model.forward, backend=EmulatedGraphBackend(), **ltx2.stock_graph_options(model))
     seen = []
     inner = runner.fn
 
@@ -533,39 +724,103 @@ def test_ltx2_forward_through_the_runner_matches_eager(tiny_ltx2):
 
     runner.fn = spy
     for seed in range(2):
-        kwargs = make_inputs(model, batch=1, seed=seed, per_token=bool(seed))
-        ref = model(**kwargs)
-        out = runner(**kwargs)
-        assert all(torch.equal(a, b) for a, b in zip(out, ref))
-        ref_d = model(**{**kwargs, "return_dict": True})
-        out_d = runner(**{**kwargs, "return_dict": True})
-        assert torch.equal(out_d.sample, ref_d.sample) and torch.equal(out_d.audio_sample, ref_d.audio_sample)
+        kwargs = _ltx2_inputs(model, seed)
+        assert _equal(runner(**kwargs), model(**kwargs))
+        kwargs = {**kwargs, "return_dict": True}
+        out, ref = runner(**kwargs), model(**kwargs)
+        assert type(out) is type(ref) and _equal(out, ref)
     assert seen and all(seen)
 
 
-# ---------------------------------------------------------------- wrapping a model
+def test_ltx2_stock_forward_with_a_mask_syncs_inside_so_runs_eagerly(tiny_ltx2):
+    """Why the accelerated forward hoists the STG branch: diffusers' forward branches
+    on `torch.all(mask == 0)` inside (the emulator refuses it, as CUDA does)."""
+    from bitfuse.models import ltx2
+
+    model = tiny_ltx2
+    runner = GraphRunner(model.forward, backend=EmulatedGraphBackend(), **ltx2.stock_graph_options(model))
+    kwargs = _ltx2_inputs(model, 0, stg_blocks=[1], perturbation_mask=torch.tensor([0.0, 1.0]))
+    with pytest.warns(GraphCaptureWarning, match="not permitted when stream is capturing"):
+        out = runner(**kwargs)
+    assert _equal(out, model(**kwargs)) and runner.report()["graphs"] == 0
 
 
-class Handle:
-    """The three handle shapes wrap_model_for_graphs knows: "graphs" (LTX2Handle's
-    contract: restore() calls handle.graphs.restore() first), "callbacks" (a
-    _restore_callbacks list) and "plain" (only a restore())."""
+STG_CASES = [  # (label, options): no STG, STG without a mask (diffusers perturbs all), mixed, all, none perturbed
+    ("plain", {}),
+    ("stg-default", {"stg_blocks": [1]}),
+    ("mixed", {"stg_blocks": [0, 1], "perturbation_mask": torch.tensor([0.0, 1.0])}),
+    ("all", {"stg_blocks": [1], "perturbation_mask": torch.tensor([0.0, 0.0])}),
+    ("none", {"stg_blocks": [1], "perturbation_mask": torch.tensor([1.0, 1.0])}),
+]
 
-    def __init__(self, model, style: str):
-        self.model = model
-        self.restored = 0
-        if style == "graphs":
-            self.graphs = None
-        elif style == "callbacks":
-            self._restore_callbacks = []
 
-    def restore(self):
-        if getattr(self, "graphs", None) is not None:
-            self.graphs.restore()
-            self.graphs = None
-        for fn in reversed(getattr(self, "_restore_callbacks", [])):
-            fn()
-        self.restored += 1
+def test_accelerated_ltx2_graphs_with_and_without_a_mask_are_one_segment(tiny_ltx2):
+    """accelerate(cuda_graphs=True): the STG branch (`torch.all(mask == 0)`) is computed
+    per call before the graph (the handle's hoist), so every forward captures whole,
+    with or without a perturbation mask, and equals stock diffusers."""
+    model = tiny_ltx2
+    refs = {(label, seed): model(**_ltx2_inputs(model, seed, **o)) for label, o in STG_CASES for seed in range(2)}
+    handle = bitfuse.accelerate(model, cuda_graphs=True, backend=EmulatedGraphBackend(), warmup=1, max_graphs=16)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", GraphCaptureWarning)
+            for seed in range(2):
+                for label, options in STG_CASES:
+                    out = model(**_ltx2_inputs(model, seed, **options))
+                    assert _equal(out, refs[label, seed]), (label, seed)
+        report = handle.graphs.report()
+        assert report["capture_failures"] == 0 and report["eager"] == 0 and report["divergences"] == 0
+        rows = report["signatures"]
+        assert all(row["segments"] == 1 for row in rows)
+        # one signature per case and shape (per-sample, per-token); the STG ones carry the branch's truth
+        truths = [("'all_perturbed', True" in r["signature"], "'all_perturbed', False" in r["signature"]) for r in rows]
+        assert len(rows) == 10 and truths.count((True, False)) == 4 and truths.count((False, True)) == 4
+    finally:
+        handle.restore()
+
+
+def test_accelerated_ltx2_without_the_hoist_breaks_the_graph_at_the_mask(tiny_ltx2):
+    """A runner around the accelerated forward without the integration's hoist: the
+    forward's `graph_break` at the STG branch splits it in two segments; a mask whose
+    truth flips at the same shapes takes the other path. Always equal to stock."""
+    model = tiny_ltx2
+    masks = [[0.0, 1.0], [0.0, 0.0], [0.0, 1.0], [1.0, 1.0]]
+    kwargs = [_ltx2_inputs(model, 0, stg_blocks=[1], perturbation_mask=torch.tensor(m)) for m in masks]
+    refs = [model(**kw) for kw in kwargs]
+    with bitfuse.accelerate(model):
+        runner = GraphRunner(model.forward, backend=EmulatedGraphBackend(), warmup=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", GraphCaptureWarning)
+            for i, (kw, ref) in enumerate(zip(kwargs, refs)):
+                assert _equal(runner(**kw), ref), masks[i]
+    report = runner.report()
+    (row,) = report["signatures"]
+    assert row["segments"] == 2 and [p["segments"] for p in row["paths"]] == [2, 2]
+    assert report["captures"] == 2 and report["divergences"] == 2 and report["eager"] == 0
+
+
+def test_accelerate_with_cuda_graphs_wires_the_runner(tiny_ltx2):
+    """bitfuse.accelerate(..., cuda_graphs=True, **graph_options): the handle keeps the
+    runner (with the model's mounted tiers and hoist) and restores it first."""
+    model = tiny_ltx2
+    kwargs = _ltx2_inputs(model, 0)
+    ref = model(**kwargs)
+    handle = bitfuse.accelerate(model, cuda_graphs=True, backend=EmulatedGraphBackend(), max_graphs=5)
+    try:
+        runner = handle.graphs
+        assert isinstance(runner, GraphRunner) and graphs.graph_runner_of(model) is runner
+        assert runner.max_graphs == 5 and runner.hoist is not None
+        out = model(**kwargs)
+        out = model(**kwargs)
+        assert _equal(out, ref)
+        assert runner.backend.captures == 1 and runner.report()["signatures"][0]["hits"] == 1
+        assert "'lossless'" in runner.report()["signatures"][0]["signature"]  # the mounted tier is keyed
+    finally:
+        handle.restore()
+    assert "forward" not in model.__dict__ and not runner.enabled and handle.graphs is None
+
+
+# ---------------------------------------------------------------- wrapping a module
 
 
 class Toy(torch.nn.Module):
@@ -578,59 +833,22 @@ class Toy(torch.nn.Module):
         return y * 2 if double else y
 
 
-@pytest.mark.parametrize("style", ["graphs", "callbacks", "plain"])
-def test_wrap_and_restore(style):
+def test_wrap_and_restore():
     import inspect
 
     model = Toy()
-    handle = Handle(model, style)
-    runner = graphs.wrap_model_for_graphs(handle, backend=EmulatedGraphBackend(), max_graphs=3)
-    assert graphs.graph_runner_of(model) is runner and runner.max_graphs == 3
-    if style == "graphs":
-        assert handle.graphs is runner
+    runner = graphs.wrap_model_for_graphs(model, backend=EmulatedGraphBackend(), max_graphs=3)
+    assert graphs.graph_runner_of(model) is runner and runner.max_graphs == 3 and runner.name == "Toy.forward"
     x = torch.randn(2, 4)
     assert torch.equal(model(x, double=True), Toy.forward(model, x, double=True))
     assert runner.backend.captures == 1
     assert "double" in inspect.signature(model.forward).parameters  # pipelines inspect forward's parameters
-    handle.restore()
-    assert handle.restored == 1
+    runner.restore()
     assert "forward" not in model.__dict__ and graphs.graph_runner_of(model) is None
     assert not runner.enabled and len(runner) == 0 and runner.backend.released == 1
     model(x)
     assert runner.backend.captures == 1  # no longer routed through the runner
-    handle.restore()  # a second restore is harmless
-    assert handle.restored == 2
-
-
-def test_runner_restore_unwraps_the_model():
-    model = Toy()
-    runner = graphs.wrap_model_for_graphs(model, backend=EmulatedGraphBackend())
-    runner.restore()
-    assert "forward" not in model.__dict__ and not runner.enabled
     runner.restore()  # idempotent
-
-
-@pytest.mark.skipif(not HAS_DIFFUSERS, reason="needs diffusers")
-def test_accelerate_with_cuda_graphs_wires_the_runner(tiny_ltx2):
-    """bitfuse.accelerate(..., cuda_graphs=True, **graph_options) -> wrap_model_for_graphs."""
-    from bitfuse.models.ltx2_configs import make_inputs
-
-    model = tiny_ltx2
-    kwargs = make_inputs(model, batch=1)
-    ref = model(**kwargs)
-    handle = bitfuse.accelerate(model, cuda_graphs=True, backend=EmulatedGraphBackend(), max_graphs=5)
-    try:
-        runner = handle.graphs
-        assert isinstance(runner, GraphRunner) and graphs.graph_runner_of(model) is runner
-        assert runner.max_graphs == 5
-        out = model(**kwargs)
-        out = model(**kwargs)
-        assert all(torch.equal(a, b) for a, b in zip(out, ref))
-        assert runner.backend.captures == 1 and runner.report()["signatures"][0]["hits"] == 1
-        assert "'lossless'" in runner.report()["signatures"][0]["signature"]  # the mounted tier is keyed
-    finally:
-        handle.restore()
-    assert "forward" not in model.__dict__ and not runner.enabled
 
 
 def test_wrap_keeps_an_instance_forward_set_by_someone_else():
@@ -644,24 +862,43 @@ def test_wrap_keeps_an_instance_forward_set_by_someone_else():
     assert not graphs.unwrap_model_for_graphs(model)
 
 
-def test_wrapping_twice_replaces_the_runner():
+def test_wrapping_twice_replaces_the_runner_and_the_old_restore_leaves_the_new_one():
     model = Toy()
     first = graphs.wrap_model_for_graphs(model, backend=EmulatedGraphBackend())
     second = graphs.wrap_model_for_graphs(model, backend=EmulatedGraphBackend())
     assert not first.enabled and graphs.graph_runner_of(model) is second
+    first.restore()
+    assert graphs.graph_runner_of(model) is second and second.enabled
     x = torch.randn(1, 4)
     assert torch.equal(model(x), Toy.forward(model, x))
     graphs.unwrap_model_for_graphs(model)
     assert "forward" not in model.__dict__
 
 
-# ---------------------------------------------------------------- bench helper
+def test_wrap_takes_modules_only():
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        graphs.wrap_model_for_graphs(object())
+
+
+# ---------------------------------------------------------------- bench/graphs.py
+
+
+def _bench_graphs():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "graphs.py"
+    spec = importlib.util.spec_from_file_location("bench_graphs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_bench_graphs_reports_equality_and_times():
+    bench = _bench_graphs()
     model = Toy()
     x = torch.randn(3, 4)
-    result = graphs.bench_graphs(model, {"x": x}, iters=3, warmup_iters=1, backend=EmulatedGraphBackend())
+    result = bench.bench_graphs(model, {"x": x}, iters=3, warmup_iters=1, backend=EmulatedGraphBackend())
     assert result["equal"] is True and result["graphed"] is True
     assert result["eager_ms"] > 0 and result["graph_ms"] > 0 and result["first_call_s"] > 0
     assert result["report"]["captures"] == 1

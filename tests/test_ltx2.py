@@ -21,8 +21,8 @@ diffusers = pytest.importorskip("diffusers")
 import bitfuse  # noqa: E402
 from bitfuse import policy, sites  # noqa: E402
 from bitfuse.ops._pointwise import value  # noqa: E402
-from bitfuse.models import UnsupportedModelError  # noqa: E402
-from bitfuse.models import ltx2  # noqa: E402
+from bitfuse.models import AlreadyAcceleratedError, UnsupportedModelError, UnsupportedVersionError  # noqa: E402
+from bitfuse.models import _install, ltx2  # noqa: E402
 from bitfuse.models.ltx2_configs import build_model, make_inputs, tiny_config  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -259,7 +259,7 @@ def test_rope_cache_skips_passed_coords_hooks_and_compiling(monkeypatch):
         _assert_equal(_run(model, kw), ref)
         assert "video" not in handle.rope_cache.entries and "audio" in handle.rope_cache.entries
         hook.remove()
-        monkeypatch.setattr(ltx2.policy, "_capturing", lambda: True)
+        monkeypatch.setattr(policy, "capturing", lambda: True)
         handle.rope_cache.clear()
         _assert_equal(_run(model, kw), ref)
         assert handle.rope_cache.entries == {}
@@ -273,7 +273,9 @@ _SITE_FUNCS = ("rms_norm_modulate_site", "layer_norm_modulate_site", "modulate_s
 @contextlib.contextmanager
 def _recording_sites(monkeypatch):
     """Replace the site functions by recorders (outermost calls only: sites call each
-    other when they fall back) that note (site function, the tier it resolves, thread)."""
+    other when they fall back) that note (site function, the tier in force at a norm
+    site's block, the block's site name, thread). The pointwise sites take no block:
+    they are exact in every tier, so None and None there."""
     records = []
     depth = threading.local()
 
@@ -282,9 +284,10 @@ def _recording_sites(monkeypatch):
         def recorder(*args, **kwargs):
             outer = getattr(depth, "n", 0) == 0
             if outer:
-                block = args[0] if name.endswith("norm_modulate_site") else kwargs.get("site")
+                block = args[0] if name.endswith("norm_modulate_site") else None
                 site = getattr(block, "_bitfuse_site", None)
-                records.append((name, sites._tier(block), site.name if site else None, threading.get_ident()))
+                tier = sites._tier(block) if site else None  # what the site resolves
+                records.append((name, tier, site.name if site else None, threading.get_ident()))
             depth.n = getattr(depth, "n", 0) + 1
             try:
                 return real(*args, **kwargs)
@@ -329,8 +332,9 @@ def test_every_adaln_site_is_routed(monkeypatch, variant, options, per_block):
     if mod:
         expected["modulate_site"] = mod * n
     assert _counts(records) == expected
-    # every call names its marked site
-    names = {r[2] for r in records}
+    # every norm site call names its marked block
+    names = {r[2] for r in records if r[0].endswith("norm_modulate_site")}
+    assert None not in names
     assert names == {"head"} | {f"transformer_blocks.{i}" for i in range(n)}
     _assert_equal(out, ref)
 
@@ -380,17 +384,24 @@ def test_block_parameters_reach_the_sites_folded(monkeypatch, variant):
     kw = make_inputs(model, batch=2, per_token=True)
     ref = _run(model, kw)
     kinds = []
+    depth = threading.local()
 
     def recording(real, params):
         def site(*args, **kwargs):
-            if kwargs.get("site") is not model and (not args or args[0] is not model):
+            if getattr(depth, "n", 0) == 0:  # outermost: a site's fallback calls other sites
                 kinds.extend(type(args[i]).__name__ for i in params)
-            return real(*args, **kwargs)
+            depth.n = getattr(depth, "n", 0) + 1
+            try:
+                return real(*args, **kwargs)
+            finally:
+                depth.n -= 1
         return site
 
     monkeypatch.setattr(sites, "modulate_site", recording(sites.modulate_site, (1, 2)))
     monkeypatch.setattr(sites, "gated_residual_site", recording(sites.gated_residual_site, (2,)))
     monkeypatch.setattr(sites, "rms_norm_modulate_site", recording(sites.rms_norm_modulate_site, (3, 4)))
+    # the head's parameters are diffusers' plain views (not block parameters): not recorded
+    monkeypatch.setattr(sites, "layer_norm_modulate_site", recording(sites.layer_norm_modulate_site, ()))
     with bitfuse.accelerate(model):
         out = _run(model, kw)
     _assert_equal(out, ref)
@@ -440,7 +451,7 @@ def test_sites_change_the_output_when_they_change():
     real = sites.gated_residual_site
     with bitfuse.accelerate(model):
         try:
-            sites.gated_residual_site = lambda x, y, gate, *, site=None: real(x, y, value(gate) * 1.5, site=site)
+            sites.gated_residual_site = lambda x, y, gate: real(x, y, value(gate) * 1.5)
             out = _run(model, kw)
         finally:
             sites.gated_residual_site = real
@@ -465,7 +476,8 @@ def test_quality_high_mounts_on_every_site(monkeypatch):
             with bitfuse.quality("lossless"):
                 out_lossless = _run(model, kw)
         n = len(records) // 2
-        assert n > 0 and {r[1] for r in records[:n]} == {"high"} and {r[1] for r in records[n:]} == {"lossless"}
+        tiers = [{r[1] for r in half if r[2] is not None} for half in (records[:n], records[n:])]
+        assert n > 0 and tiers == [{"high"}, {"lossless"}]
         _assert_equal(out, ref)
         _assert_equal(out_lossless, ref)
     finally:
@@ -519,7 +531,7 @@ def test_tiers_are_isolated_across_threads_and_models(monkeypatch):
         h1.restore()
         h2.restore()
     assert not errors, errors
-    seen = {key: {r[1] for r in records if r[3] == ident} for key, ident in idents.items()}
+    seen = {key: {r[1] for r in records if r[3] == ident and r[2] is not None} for key, ident in idents.items()}
     assert seen == {"high": {"high"}, "lossless": {"lossless"}, "request": {"high"}}
     for key, ref in refs.items():
         _assert_equal(outs[key], ref)
@@ -575,7 +587,7 @@ def test_accelerate_twice_returns_the_handle_or_refuses():
     try:
         assert bitfuse.accelerate(model) is h
         assert h.model is model and h.active
-        with pytest.raises(ltx2.AlreadyAcceleratedError, match="already accelerated"):
+        with pytest.raises(AlreadyAcceleratedError, match="already accelerated"):
             bitfuse.accelerate(model, quality="high")
     finally:
         h.restore()
@@ -726,7 +738,7 @@ def test_refuses_unverified_diffusers_version(monkeypatch):
     kw = make_inputs(model, batch=1)
     ref = _run(model, kw)
     monkeypatch.setattr(diffusers, "__version__", "0.43.0")
-    with pytest.raises(ltx2.UnsupportedVersionError, match=r"0\.43\.0 is outside the supported range 0\.42\.x"):
+    with pytest.raises(UnsupportedVersionError, match=r"0\.43\.0 is outside the supported range 0\.42\.x"):
         bitfuse.accelerate(model)
     assert _is_stock(model) and not sites.sites_of(model)
     with pytest.warns(UserWarning, match="force=True"):
@@ -738,7 +750,7 @@ def test_refuses_unverified_diffusers_version(monkeypatch):
 def test_refuses_a_changed_diffusers_source(monkeypatch):
     model = _model("2.0")
     monkeypatch.setitem(ltx2.VERIFIED_SOURCES, "LTX2VideoTransformerBlock.forward", "0" * 64)
-    with pytest.raises(ltx2.UnsupportedVersionError, match="LTX2VideoTransformerBlock.forward differs"):
+    with pytest.raises(UnsupportedVersionError, match="LTX2VideoTransformerBlock.forward differs"):
         bitfuse.accelerate(model)
     assert _is_stock(model)
     with pytest.warns(UserWarning, match="differs"):
@@ -749,7 +761,7 @@ def test_installed_diffusers_is_the_verified_one():
     """Fails when the installed diffusers' LTX-2 code changes: re-verify and re-copy then."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert ltx2.check_supported() == []
+        assert ltx2.SOURCES.check() == []
 
 
 @pytest.mark.parametrize(
@@ -764,7 +776,7 @@ def test_installed_diffusers_is_the_verified_one():
     ],
 )
 def test_version_range(version, ok):
-    assert ltx2._version_supported(version) is ok
+    assert _install.release_matches(version, ltx2.SOURCES.release) is ok
 
 
 def test_policy_state_untouched_on_cpu():
@@ -794,3 +806,73 @@ def test_cuda_graphs_hook_wraps_and_restores():
         handle.restore()
     assert handle.graphs is None and _is_stock(model) and not sites.sites_of(model)
     _assert_equal(_run(model, kw), ref)
+
+
+# ---------------------------------------------------------------- the public entry point
+
+
+@pytest.mark.parametrize("thing", [None, "ltx2", 3, types.SimpleNamespace(transformer="not a module")],
+                         ids=["None", "str", "int", "pipeline-without-module"])
+def test_non_modules_are_refused_with_the_supported_list(thing):
+    with pytest.raises(UnsupportedModelError, match="LTX2VideoTransformer3DModel"):
+        bitfuse.accelerate(thing)
+
+
+def test_accelerate_shows_its_options_and_imports_models_lazily():
+    import inspect
+    import pydoc
+    import subprocess
+    import sys
+
+    params = inspect.signature(bitfuse.accelerate).parameters
+    assert [n for n in ("quality", "cuda_graphs", "force") if params[n].kind is inspect.Parameter.KEYWORD_ONLY] == [
+        "quality", "cuda_graphs", "force"]
+    assert params["quality"].default == "lossless" and params["cuda_graphs"].default is False
+    text = pydoc.render_doc(bitfuse.accelerate)
+    assert all(word in text for word in ("quality:", "cuda_graphs:", "force:", "restore()"))
+    probe = ("import sys, bitfuse; print(sorted(m for m in sys.modules "
+             "if m.startswith(('bitfuse.models', 'bitfuse.graphs', 'diffusers'))))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+# ---------------------------------------------------------------- spatio-temporal guidance
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten ops that read a tensor's value on the host (a sync on the GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func._schema.name == "aten::_local_scalar_dense"
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_stg_branch_is_read_once_per_forward():
+    """diffusers branches on `torch.all(mask == 0)` in every perturbed processor (a host
+    sync each); the accelerated forward reads it once, the same bits."""
+    model = _model("2.3")
+    kw = make_inputs(model, batch=2, stg_blocks=[0, 1], perturbation_mask=torch.tensor([0.0, 1.0]))
+    with torch.no_grad():
+        with _HostReads() as stock:
+            ref = model(**kw)
+        with bitfuse.accelerate(model), _HostReads() as ours:
+            out = model(**kw)
+    assert stock.n == 2 * len(model.transformer_blocks)  # video and audio self-attention, per STG block
+    assert ours.n == 1
+    _assert_equal(out, ref)
+
+
+def test_compile_with_a_perturbation_mask_equals_eager():
+    """Under torch.compile the STG branch is diffusers' tensor, as in the stock forward."""
+    torch._dynamo.reset()
+    model = _model("2.3", torch.bfloat16, num_layers=1)
+    kw = make_inputs(model, batch=2, stg_blocks=[0], perturbation_mask=torch.tensor([0.0, 1.0]))
+    ref = _run(model, kw)
+    with bitfuse.accelerate(model):
+        compiled = torch.compile(model, backend="eager")
+        _assert_equal(_run(compiled, kw), ref)
+    torch._dynamo.reset()

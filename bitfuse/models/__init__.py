@@ -5,43 +5,58 @@ Supported: diffusers' `LTX2VideoTransformer3DModel` (diffusers 0.42.x), see
 is accelerated (the handle keeps the pipeline as `.pipeline`). A model wrapped
 by `torch.compile` (an OptimizedModule) is accelerated through `_orig_mod`.
 
+A model file joins with one line in `_REGISTRY` (diffusers class name -> module)
+and provides, built on `_install`:
+- `accelerate(model, *, quality, force) -> Handle` (one `_install.accelerate` call);
+- `SOURCES`, an `_install.CopiedSources`: the pinned diffusers functions and its
+  line-for-line copies, which tests/test_copies.py then checks;
+- a Handle subclass whose `graph_options()` adds what graph capture needs (a
+  `hoist` for host syncs), and optionally `stock_graph_options(model)` for graphing
+  the stock model.
 Model modules import diffusers only when a model of theirs is passed, so
 `import bitfuse` costs nothing where diffusers is absent.
 """
 
 from __future__ import annotations
 
+import importlib
+from types import ModuleType
+
 import torch
 
-from .. import policy
+from ._install import AlreadyAcceleratedError, Handle, UnsupportedModelError, UnsupportedVersionError
 
-__all__ = ["accelerate", "supported_models", "UnsupportedModelError"]
-
-
-class UnsupportedModelError(TypeError):
-    """No bitfuse support for this model type."""
-
-
-def _class_names(obj) -> set[tuple[str, str]]:
-    return {(c.__module__, c.__name__) for c in type(obj).__mro__}
-
-
-def _is_diffusers_class(obj, name: str) -> bool:
-    return any(mod.startswith("diffusers.") and n == name for mod, n in _class_names(obj))
-
-
-# (diffusers class name, loader of the model module); matched on the MRO by name so
-# that diffusers is imported only when such a model is actually passed
-_REGISTRY = [
-    ("LTX2VideoTransformer3DModel", lambda: __import__("bitfuse.models.ltx2", fromlist=["accelerate"])),
+__all__ = [
+    "accelerate",
+    "supported_models",
+    "integration_for",
+    "Handle",
+    "UnsupportedModelError",
+    "UnsupportedVersionError",
+    "AlreadyAcceleratedError",
 ]
+
+#: diffusers class name -> the module supporting it; matched on the model's MRO by
+#: name, so that diffusers is imported only when such a model is actually passed
+_REGISTRY = {
+    "LTX2VideoTransformer3DModel": "bitfuse.models.ltx2",
+}
 
 
 def supported_models() -> list[str]:
-    return [name for name, _ in _REGISTRY]
+    """The diffusers model classes bitfuse supports, by name."""
+    return list(_REGISTRY)
 
 
-def _resolve(model):
+def integration_for(model) -> ModuleType | None:
+    """The model module (e.g. `bitfuse.models.ltx2`) supporting `model`'s class, or None."""
+    for cls in type(model).__mro__:
+        if cls.__module__.startswith("diffusers.") and cls.__name__ in _REGISTRY:
+            return importlib.import_module(_REGISTRY[cls.__name__])
+    return None
+
+
+def _resolve(model) -> tuple[torch.nn.Module, object]:
     """(the module to accelerate, the pipeline it came from or None)."""
     pipeline = None
     if not isinstance(model, torch.nn.Module) and isinstance(getattr(model, "transformer", None), torch.nn.Module):
@@ -49,49 +64,32 @@ def _resolve(model):
     orig = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
     if isinstance(orig, torch.nn.Module):
         model = orig
+    if not isinstance(model, torch.nn.Module):
+        raise UnsupportedModelError(
+            f"bitfuse.accelerate takes a diffusers transformer (a torch.nn.Module) or a pipeline with a "
+            f".transformer, got {type(model).__name__}; supported: {', '.join(supported_models())}"
+        )
     return model, pipeline
 
 
 def accelerate(model, *, quality: str = "lossless", cuda_graphs: bool = False, force: bool = False, **graph_options):
-    """Route a supported model's adaLN sites through bitfuse; returns a handle
-    with `.model` and `.restore()`.
-
-    quality: the tier mounted on every site ("lossless": torch.equal to eager;
-        "high": within one ULP), all or nothing. `bitfuse.quality(...)` overrides
-        it per call.
-    cuda_graphs: also wrap the model for CUDA-graph replay (bitfuse.graphs),
-        passing `graph_options` through.
-    force: accelerate a diffusers version whose forwards bitfuse has not verified
-        (warns; output may then differ from that version's model).
-    """
-    policy.check_tier(quality)
+    """`bitfuse.accelerate` (see its docstring): returns the model's Handle."""
     if graph_options and not cuda_graphs:
         raise TypeError(f"graph options {sorted(graph_options)} given without cuda_graphs=True")
     target, pipeline = _resolve(model)
-    previous = target.__dict__.get("_bitfuse_handle")
-    for name, load in _REGISTRY:
-        if _is_diffusers_class(target, name):
-            handle = load().accelerate(target, quality=quality, force=force)
-            if pipeline is not None:
-                handle.pipeline = pipeline
-            break
-    else:
+    integration = integration_for(target)
+    if integration is None:
         raise UnsupportedModelError(
             f"bitfuse has no support for {type(target).__module__}.{type(target).__name__}; "
             f"supported: {', '.join(supported_models())} (diffusers 0.42.x)"
         )
-
-    # ---- CUDA graphs (bitfuse.graphs, a separate module): wrap the accelerated model.
-    #      Contract: wrap_model_for_graphs(handle, **graph_options) returns an object
-    #      (stored as handle.graphs) whose optional .restore() undoes the wrapping;
-    #      handle.restore() calls it before putting the stock forwards back.
+    previous = target.__dict__.get("_bitfuse_handle")
+    handle = integration.accelerate(target, quality=quality, force=force)
+    if pipeline is not None:
+        handle.pipeline = pipeline
     if cuda_graphs and handle.graphs is None:
         try:
-            from ..graphs import wrap_model_for_graphs
-
-            wrapped = wrap_model_for_graphs(handle, **graph_options)
-            if wrapped is not None:
-                handle.graphs = wrapped
+            handle.enable_graphs(**graph_options)
         except BaseException:
             if handle is not previous:
                 handle.restore()

@@ -1,96 +1,81 @@
-"""LTX-2 (diffusers `LTX2VideoTransformer3DModel`): route every adaLN site through bitfuse.
+"""LTX-2 (diffusers `LTX2VideoTransformer3DModel`): every adaLN site routed through bitfuse.
 
 diffusers writes the adaLN modulations and gated residuals inline in
 `LTX2VideoTransformerBlock.forward` and in the model's output head, so this
-module carries faithful copies of those two forwards (and of the RoPE video
-coordinate helper), line by line from diffusers 0.42.1, with only the adaLN
-and residual expressions replaced by site calls:
+module carries faithful copies of those forwards, line for line from diffusers
+0.42.1, each replaced line kept above its replacement as a `# diffusers:`
+comment (tests/test_copies.py checks that the copy is the stock source plus
+marked changes only):
 
     norm(x) * (1 + scale) + shift        -> sites.rms_norm_modulate_site(block, norm, x, scale, shift)
-    norm(x), modulated twice (a2v, v2a)  -> sites.rms_norm_site(norm, x, site=block)
-    x * (1 + scale) + shift              -> sites.modulate_site(x, scale, shift, site=block)
-    x + y * gate                         -> sites.gated_residual_site(x, y, gate, site=block)
+    norm(x), modulated twice (a2v, v2a)  -> sites.rms_norm_site(norm, x)
+    x * (1 + scale) + shift              -> sites.modulate_site(x, scale, shift)
+    x + y * gate                         -> sites.gated_residual_site(x, y, gate)
     get_mod_params(table, temb, B)       -> _mod_params: sites.Folded(table[i], temb view), added in the kernels
     x + gate * y                         -> the same (fp multiplication commutes: bitwise equal)
     y = y * gate; x = x + y              -> the same (one expression, the same two roundings)
     norm_out(x) * (1 + scale) + shift    -> sites.layer_norm_modulate_site(model, norm_out, x, scale, shift)
 
-`LTX2Attention.forward` is copied too, to cache the processor's signature
-(diffusers inspects it on every call). The stock attention processors
-(`LTX2AudioVideoAttnProcessor`,
-`LTX2PerturbedAttnProcessor`) get the same treatment for RoPE: their
-instances switch `__class__` to copies whose query/key rotation goes through
-`sites.rotary_site`, keeping the instance's backend settings; a processor of
-any other class is left alone.
+The attention processors (`LTX2AudioVideoAttnProcessor`,
+`LTX2PerturbedAttnProcessor`) are copied for RoPE: query and key rotate through
+`sites.rotary_site` (one launch for both when they share the frequencies). A
+processor instance switches `__class__` to our copy, keeping its backend
+settings; a processor of any other class is left alone. `LTX2Attention.forward`
+is copied to cache the processor's parameter names (diffusers inspects the
+signature on every call).
 
-Everything else (attention modules, feed-forwards, the timestep embeddings,
-the RoPE frequencies) is called as diffusers calls it, so attention backends,
-other processors, LoRA scaling and hooks keep working, with two host-time
-savings that compute the same bits: the timestep embeddings share the
-sinusoidal projection of equal inputs within a forward (`_TimestepEmbeddings`;
-modules with hooks run as they are), and the RoPE tables of coordinates the
-forward builds itself are kept between calls (`RopeCache`). The
-modulation parameters are the strided `unbind` views diffusers makes; they go
-to the sites as they are (no densifying copy).
+Everything else is called as diffusers calls it, so attention backends, other
+processors, LoRA scaling and hooks keep working. Three differences compute the
+same bits with less host work (see `ltx2_host`): the timestep embeddings share
+the sinusoidal projection of equal inputs within a forward; the RoPE tables of
+coordinates the forward builds itself are kept between calls; the video
+coordinates are built on the device, where diffusers copies two small host
+lists to the GPU (a pageable copy that CUDA-graph capture refuses). And the
+truth of `torch.all(perturbation_mask == 0)` (spatio-temporal guidance), which
+the perturbed processors branch on, is a Python bool computed once per forward:
+by the graph runner before the graph (`accelerate(cuda_graphs=True)`), else in
+a graph break (bitfuse.graphs.graph_break), so a forward with a mask still
+captures.
 
-One deliberate difference, bit-neutral: when the forward computes the RoPE
-video coordinates itself (no `video_coords` passed), diffusers builds two small
-tensors with `torch.tensor(list, device=cuda)`, a host-to-device copy of
-pageable memory that breaks CUDA-graph capture. The copy here builds the same
-tensors (same dtype, same values) on the device with fill kernels; everything
-after is the same ops, so the coordinates are bit-identical (tested).
-
-The copies are only valid for the diffusers source they were taken from:
-`accelerate` checks the diffusers version (0.42.x) and the sha256 of the
-source of each copied function, and refuses otherwise unless `force=True`.
+The copies are valid only for the diffusers source they were taken from:
+`accelerate` checks the diffusers version (0.42.x) and the sha256 of every
+copied or relied-on function (`SOURCES`), and refuses otherwise unless `force=True`.
 """
 
-
-import hashlib
+import contextlib
 import inspect
-import re
-import threading
-import types
-import warnings
 from typing import Any
 
 import torch
-import torch.nn.modules.module as _module_hooks
-
-from .. import policy, sites
-from . import UnsupportedModelError
-
-import diffusers  # noqa: E402  (this module is only imported for diffusers models)
-from diffusers.models.transformers import transformer_ltx2 as _ltx2_module  # noqa: E402
-from diffusers.models.embeddings import PixArtAlphaCombinedTimestepSizeEmbeddings, Timesteps  # noqa: E402
-from diffusers.models.transformers.transformer_ltx2 import (  # noqa: E402
+from diffusers.models.embeddings import PixArtAlphaCombinedTimestepSizeEmbeddings, Timesteps
+from diffusers.models.transformers import transformer_ltx2 as _ltx2_module
+from diffusers.models.transformers.transformer_ltx2 import (
     AudioVisualModelOutput,
     LTX2AdaLayerNormSingle,
     LTX2Attention,
     LTX2AudioVideoAttnProcessor,
-    LTX2PerturbedAttnProcessor,
     LTX2AudioVideoRotaryPosEmbed,
+    LTX2PerturbedAttnProcessor,
     LTX2VideoTransformer3DModel,
     LTX2VideoTransformerBlock,
 )
-from diffusers.utils import apply_lora_scale  # noqa: E402
+from diffusers.utils import apply_lora_scale
+
+from .. import graphs, policy, sites
+from . import _install
+from .ltx2_host import RopeCache, TimestepEmbeddings
 
 __all__ = [
-    "SUPPORTED_DIFFUSERS",
     "VERIFIED_SOURCES",
-    "UnsupportedVersionError",
-    "UnsupportedModelError",
-    "AlreadyAcceleratedError",
+    "COPIES",
+    "SOURCES",
     "LTX2Handle",
     "accelerate",
-    "check_supported",
-    "is_ltx2",
+    "stock_functions",
+    "stock_graph_options",
 ]
 
 # ---------------------------------------------------------------- what was verified
-
-SUPPORTED_DIFFUSERS = "0.42.x"  # the release line whose forwards were copied (from 0.42.1)
-_SUPPORTED_MINOR = (0, 42)
 
 #: sha256 of `inspect.getsource` of each diffusers function copied (or relied on) here,
 #: as shipped in diffusers 0.42.1. A mismatch means the copy may no longer be faithful.
@@ -101,13 +86,13 @@ VERIFIED_SOURCES = {
     "LTX2AudioVideoRotaryPosEmbed.prepare_video_coords": (
         "b6ef8d04012f7062f849a059eb14c295c64e789042de387713cf97ed219179ee"
     ),
-    # copied in _TimestepEmbeddings (the projection it shares: a function of its input)
+    # reproduced by ltx2_host.TimestepEmbeddings (the projection it shares: a function of its input)
     "LTX2AdaLayerNormSingle.forward": "865d9aa1d7f8cd6752c3a5c73c78910d239486881ef5e8e664e1b9b5ab1eb8ba",
     "PixArtAlphaCombinedTimestepSizeEmbeddings.forward": (
         "ad9247f8146dbd777b4f687e4655d1cf6e9d895ca539f9fd8b69120cc2c49eec"
     ),
     "Timesteps.forward": "7e57cb0d890b841f9b13647482aeb956da7ded07a888beb41c0a3cf76f0bb204",
-    # the RoPE cache relies on these computing from their arguments and settings only
+    # ltx2_host.RopeCache relies on these computing from their arguments and settings only
     "LTX2AudioVideoRotaryPosEmbed.forward": "6432e1c51dd6807ab0419bd212696e4d296d9004432217b718d945be55b126dc",
     "LTX2AudioVideoRotaryPosEmbed.prepare_audio_coords": (
         "9932c6332f8af247b08b792da5a37a2dc9319d587d24c10b486e406b713c63bc"
@@ -121,15 +106,8 @@ VERIFIED_SOURCES = {
 }
 
 
-class UnsupportedVersionError(RuntimeError):
-    """The installed diffusers is not one whose LTX-2 forwards bitfuse has verified."""
-
-
-class AlreadyAcceleratedError(RuntimeError):
-    """accelerate() was called again, with different options, on an accelerated model."""
-
-
-def _stock_functions() -> dict:
+def stock_functions() -> dict:
+    """The installed diffusers function behind each name of VERIFIED_SOURCES."""
     return {
         "LTX2VideoTransformerBlock.forward": LTX2VideoTransformerBlock.forward,
         "LTX2VideoTransformerBlock.get_mod_params": LTX2VideoTransformerBlock.get_mod_params,
@@ -148,50 +126,7 @@ def _stock_functions() -> dict:
     }
 
 
-def _source_sha(fn) -> str | None:
-    try:
-        return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()
-    except (OSError, TypeError):
-        return None
-
-
-def _version_supported(version: str) -> bool:
-    m = re.match(r"^\s*(\d+)\.(\d+)", version)
-    return m is not None and (int(m.group(1)), int(m.group(2))) == _SUPPORTED_MINOR
-
-
-def check_supported(force: bool = False) -> list[str]:
-    """Refuse (UnsupportedVersionError) a diffusers whose LTX-2 code was not verified:
-    a version outside 0.42.x, or a copied function whose source differs from the one
-    copied. With `force=True`, warn instead. Returns the problems found."""
-    problems = []
-    version = getattr(diffusers, "__version__", "unknown")
-    if not _version_supported(version):
-        problems.append(f"diffusers {version} is outside the supported range {SUPPORTED_DIFFUSERS}")
-    for name, fn in _stock_functions().items():
-        sha = _source_sha(fn)
-        if sha is None:
-            problems.append(f"the source of diffusers' {name} cannot be read to verify it")
-        elif sha != VERIFIED_SOURCES[name]:
-            problems.append(
-                f"diffusers' {name} differs from the source bitfuse copied "
-                f"(sha256 {sha[:12]}, verified {VERIFIED_SOURCES[name][:12]})"
-            )
-    if problems:
-        msg = (
-            "bitfuse's LTX-2 forwards are faithful copies of diffusers "
-            f"{SUPPORTED_DIFFUSERS} (verified on 0.42.1): " + "; ".join(problems)
-        )
-        if not force:
-            raise UnsupportedVersionError(
-                msg + ". Install diffusers 0.42.x, or pass force=True to accelerate anyway "
-                "(output may then differ from this diffusers' model)."
-            )
-        warnings.warn(msg + "; accelerating anyway because force=True", UserWarning, stacklevel=3)
-    return problems
-
-
-# ---------------------------------------------------------------- faithful forwards
+# ---------------------------------------------------------------- the block
 
 
 def _mod_params(block, scale_shift_table, temb, batch_size):
@@ -242,12 +177,14 @@ def _block_forward(
 
     # 1. Video and Audio Self-Attention
     # 1.1. Video Self-Attention
+    # diffusers: video_ada_params = self.get_mod_params(self.scale_shift_table, temb, batch_size)
     video_ada_params = _mod_params(self, self.scale_shift_table, temb, batch_size)
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = video_ada_params[:6]
     if self.video_cross_attn_adaln:
         shift_text_q, scale_text_q, gate_text_q = video_ada_params[6:9]
 
-    # diffusers: norm_hidden_states = self.norm1(hidden_states) * (1 + scale_msa) + shift_msa
+    # diffusers: norm_hidden_states = self.norm1(hidden_states)
+    # diffusers: norm_hidden_states = norm_hidden_states * (1 + scale_msa) + shift_msa
     norm_hidden_states = sites.rms_norm_modulate_site(self, self.norm1, hidden_states, scale_msa, shift_msa)
 
     video_self_attn_args = {
@@ -262,9 +199,10 @@ def _block_forward(
 
     attn_hidden_states = self.attn1(**video_self_attn_args)
     # diffusers: hidden_states = hidden_states + attn_hidden_states * gate_msa
-    hidden_states = sites.gated_residual_site(hidden_states, attn_hidden_states, gate_msa, site=self)
+    hidden_states = sites.gated_residual_site(hidden_states, attn_hidden_states, gate_msa)
 
     # 1.2. Audio Self-Attention
+    # diffusers: audio_ada_params = self.get_mod_params(self.audio_scale_shift_table, temb_audio, batch_size)
     audio_ada_params = _mod_params(self, self.audio_scale_shift_table, temb_audio, batch_size)
     audio_shift_msa, audio_scale_msa, audio_gate_msa, audio_shift_mlp, audio_scale_mlp, audio_gate_mlp = (
         audio_ada_params[:6]
@@ -272,7 +210,8 @@ def _block_forward(
     if self.audio_cross_attn_adaln:
         audio_shift_text_q, audio_scale_text_q, audio_gate_text_q = audio_ada_params[6:9]
 
-    # diffusers: self.audio_norm1(audio_hidden_states) * (1 + audio_scale_msa) + audio_shift_msa
+    # diffusers: norm_audio_hidden_states = self.audio_norm1(audio_hidden_states)
+    # diffusers: norm_audio_hidden_states = norm_audio_hidden_states * (1 + audio_scale_msa) + audio_shift_msa
     norm_audio_hidden_states = sites.rms_norm_modulate_site(
         self, self.audio_norm1, audio_hidden_states, audio_scale_msa, audio_shift_msa
     )
@@ -289,9 +228,7 @@ def _block_forward(
 
     attn_audio_hidden_states = self.audio_attn1(**audio_self_attn_args)
     # diffusers: audio_hidden_states = audio_hidden_states + attn_audio_hidden_states * audio_gate_msa
-    audio_hidden_states = sites.gated_residual_site(
-        audio_hidden_states, attn_audio_hidden_states, audio_gate_msa, site=self
-    )
+    audio_hidden_states = sites.gated_residual_site(audio_hidden_states, attn_audio_hidden_states, audio_gate_msa)
 
     # 2. Video and Audio Cross-Attention with the text embeddings (Q: Video or Audio; K,V: Text)
     if self.cross_attn_adaln:
@@ -299,7 +236,12 @@ def _block_forward(
         # cross-attention): the prompt-side scale/shift is then timestep-independent, so only the static
         # per-layer table is used.
         if temb_prompt is not None:
-            shift_text_kv, scale_text_kv = _mod_params(self, self.prompt_scale_shift_table, temb_prompt, batch_size)
+            # diffusers: shift_text_kv, scale_text_kv = self.get_mod_params(
+            # diffusers:     self.prompt_scale_shift_table, temb_prompt, batch_size
+            # diffusers: )
+            shift_text_kv, scale_text_kv = _mod_params(
+                self, self.prompt_scale_shift_table, temb_prompt, batch_size
+            )
         else:
             shift_text_kv, scale_text_kv = (
                 self.prompt_scale_shift_table[None, None]
@@ -308,6 +250,9 @@ def _block_forward(
             )
 
         if temb_prompt_audio is not None:
+            # diffusers: audio_shift_text_kv, audio_scale_text_kv = self.get_mod_params(
+            # diffusers:     self.audio_prompt_scale_shift_table, temb_prompt_audio, batch_size
+            # diffusers: )
             audio_shift_text_kv, audio_scale_text_kv = _mod_params(
                 self, self.audio_prompt_scale_shift_table, temb_prompt_audio, batch_size
             )
@@ -319,14 +264,16 @@ def _block_forward(
             )
 
     # 2.1. Video-Text Cross-Attention (Q: Video; K,V: Text)
+    # diffusers: norm_hidden_states = self.norm2(hidden_states)
+    # diffusers: if self.video_cross_attn_adaln:
+    # diffusers:     norm_hidden_states = norm_hidden_states * (1 + scale_text_q) + shift_text_q
     if self.video_cross_attn_adaln:
-        # diffusers: self.norm2(hidden_states) * (1 + scale_text_q) + shift_text_q
         norm_hidden_states = sites.rms_norm_modulate_site(self, self.norm2, hidden_states, scale_text_q, shift_text_q)
     else:
         norm_hidden_states = self.norm2(hidden_states)
     if self.cross_attn_adaln:
-        # diffusers: encoder_hidden_states * (1 + scale_text_kv) + shift_text_kv
-        encoder_hidden_states = sites.modulate_site(encoder_hidden_states, scale_text_kv, shift_text_kv, site=self)
+        # diffusers: encoder_hidden_states = encoder_hidden_states * (1 + scale_text_kv) + shift_text_kv
+        encoder_hidden_states = sites.modulate_site(encoder_hidden_states, scale_text_kv, shift_text_kv)
 
     attn_hidden_states = self.attn2(
         norm_hidden_states,
@@ -334,24 +281,28 @@ def _block_forward(
         query_rotary_emb=None,
         attention_mask=encoder_attention_mask,
     )
+    # diffusers: if self.video_cross_attn_adaln:
+    # diffusers:     attn_hidden_states = attn_hidden_states * gate_text_q
+    # diffusers: hidden_states = hidden_states + attn_hidden_states
     if self.video_cross_attn_adaln:
-        # diffusers: attn_hidden_states = attn_hidden_states * gate_text_q; hidden_states + attn_hidden_states
-        hidden_states = sites.gated_residual_site(hidden_states, attn_hidden_states, gate_text_q, site=self)
+        hidden_states = sites.gated_residual_site(hidden_states, attn_hidden_states, gate_text_q)
     else:
         hidden_states = hidden_states + attn_hidden_states
 
     # 2.2. Audio-Text Cross-Attention
+    # diffusers: norm_audio_hidden_states = self.audio_norm2(audio_hidden_states)
+    # diffusers: if self.audio_cross_attn_adaln:
+    # diffusers:     norm_audio_hidden_states = norm_audio_hidden_states * (1 + audio_scale_text_q) + audio_shift_text_q
     if self.audio_cross_attn_adaln:
-        # diffusers: self.audio_norm2(audio_hidden_states) * (1 + audio_scale_text_q) + audio_shift_text_q
         norm_audio_hidden_states = sites.rms_norm_modulate_site(
             self, self.audio_norm2, audio_hidden_states, audio_scale_text_q, audio_shift_text_q
         )
     else:
         norm_audio_hidden_states = self.audio_norm2(audio_hidden_states)
     if self.cross_attn_adaln:
-        # diffusers: audio_encoder_hidden_states * (1 + audio_scale_text_kv) + audio_shift_text_kv
+        # diffusers: audio_encoder_hidden_states = audio_encoder_hidden_states * (1 + audio_scale_text_kv) + audio_shift_text_kv
         audio_encoder_hidden_states = sites.modulate_site(
-            audio_encoder_hidden_states, audio_scale_text_kv, audio_shift_text_kv, site=self
+            audio_encoder_hidden_states, audio_scale_text_kv, audio_shift_text_kv
         )
 
     attn_audio_hidden_states = self.audio_attn2(
@@ -360,26 +311,31 @@ def _block_forward(
         query_rotary_emb=None,
         attention_mask=audio_encoder_attention_mask,
     )
+    # diffusers: if self.audio_cross_attn_adaln:
+    # diffusers:     attn_audio_hidden_states = attn_audio_hidden_states * audio_gate_text_q
+    # diffusers: audio_hidden_states = audio_hidden_states + attn_audio_hidden_states
     if self.audio_cross_attn_adaln:
-        # diffusers: attn_audio_hidden_states * audio_gate_text_q; audio_hidden_states + attn_audio_hidden_states
         audio_hidden_states = sites.gated_residual_site(
-            audio_hidden_states, attn_audio_hidden_states, audio_gate_text_q, site=self
+            audio_hidden_states, attn_audio_hidden_states, audio_gate_text_q
         )
     else:
         audio_hidden_states = audio_hidden_states + attn_audio_hidden_states
 
     # 3. Audio-to-Video (a2v) and Video-to-Audio (v2a) Cross-Attention
     if use_a2v_cross_attention or use_v2a_cross_attention:
-        # one normed tensor each, modulated twice below (a2v and v2a), as diffusers does
-        # diffusers: self.audio_to_video_norm(hidden_states), self.video_to_audio_norm(audio_hidden_states)
-        norm_hidden_states = sites.rms_norm_site(self.audio_to_video_norm, hidden_states, site=self)
-        norm_audio_hidden_states = sites.rms_norm_site(self.video_to_audio_norm, audio_hidden_states, site=self)
+        # bitfuse: one normed tensor each, modulated twice below (a2v and v2a), as diffusers does
+        # diffusers: norm_hidden_states = self.audio_to_video_norm(hidden_states)
+        # diffusers: norm_audio_hidden_states = self.video_to_audio_norm(audio_hidden_states)
+        norm_hidden_states = sites.rms_norm_site(self.audio_to_video_norm, hidden_states)
+        norm_audio_hidden_states = sites.rms_norm_site(self.video_to_audio_norm, audio_hidden_states)
 
         # 3.1. Combine global and per-layer cross attention modulation parameters
         # Video
         video_per_layer_ca_scale_shift = self.video_a2v_cross_attn_scale_shift_table[:4, :]
         video_per_layer_ca_gate = self.video_a2v_cross_attn_scale_shift_table[4:, :]
 
+        # diffusers: video_ca_ada_params = self.get_mod_params(video_per_layer_ca_scale_shift, temb_ca_scale_shift, batch_size)
+        # diffusers: video_ca_gate_param = self.get_mod_params(video_per_layer_ca_gate, temb_ca_gate, batch_size)
         video_ca_ada_params = _mod_params(self, video_per_layer_ca_scale_shift, temb_ca_scale_shift, batch_size)
         video_ca_gate_param = _mod_params(self, video_per_layer_ca_gate, temb_ca_gate, batch_size)
 
@@ -390,7 +346,13 @@ def _block_forward(
         audio_per_layer_ca_scale_shift = self.audio_a2v_cross_attn_scale_shift_table[:4, :]
         audio_per_layer_ca_gate = self.audio_a2v_cross_attn_scale_shift_table[4:, :]
 
-        audio_ca_ada_params = _mod_params(self, audio_per_layer_ca_scale_shift, temb_ca_audio_scale_shift, batch_size)
+        # diffusers: audio_ca_ada_params = self.get_mod_params(
+        # diffusers:     audio_per_layer_ca_scale_shift, temb_ca_audio_scale_shift, batch_size
+        # diffusers: )
+        # diffusers: audio_ca_gate_param = self.get_mod_params(audio_per_layer_ca_gate, temb_ca_audio_gate, batch_size)
+        audio_ca_ada_params = _mod_params(
+            self, audio_per_layer_ca_scale_shift, temb_ca_audio_scale_shift, batch_size
+        )
         audio_ca_gate_param = _mod_params(self, audio_per_layer_ca_gate, temb_ca_audio_gate, batch_size)
 
         audio_a2v_ca_scale, audio_a2v_ca_shift, audio_v2a_ca_scale, audio_v2a_ca_shift = audio_ca_ada_params
@@ -398,12 +360,17 @@ def _block_forward(
 
         # 3.2. Audio-to-Video Cross Attention: Q: Video; K,V: Audio
         if use_a2v_cross_attention:
-            # diffusers: norm_hidden_states * (1 + video_a2v_ca_scale.squeeze(2)) + video_a2v_ca_shift.squeeze(2)
+            # diffusers: mod_norm_hidden_states = norm_hidden_states * (
+            # diffusers:     1 + video_a2v_ca_scale.squeeze(2)
+            # diffusers: ) + video_a2v_ca_shift.squeeze(2)
+            # diffusers: mod_norm_audio_hidden_states = norm_audio_hidden_states * (
+            # diffusers:     1 + audio_a2v_ca_scale.squeeze(2)
+            # diffusers: ) + audio_a2v_ca_shift.squeeze(2)
             mod_norm_hidden_states = sites.modulate_site(
-                norm_hidden_states, video_a2v_ca_scale.squeeze(2), video_a2v_ca_shift.squeeze(2), site=self
+                norm_hidden_states, video_a2v_ca_scale.squeeze(2), video_a2v_ca_shift.squeeze(2)
             )
             mod_norm_audio_hidden_states = sites.modulate_site(
-                norm_audio_hidden_states, audio_a2v_ca_scale.squeeze(2), audio_a2v_ca_shift.squeeze(2), site=self
+                norm_audio_hidden_states, audio_a2v_ca_scale.squeeze(2), audio_a2v_ca_shift.squeeze(2)
             )
 
             a2v_attn_hidden_states = self.audio_to_video_attn(
@@ -414,16 +381,23 @@ def _block_forward(
                 attention_mask=a2v_cross_attention_mask,
             )
 
-            # diffusers: hidden_states + a2v_gate * a2v_attn_hidden_states (the product commutes bitwise)
-            hidden_states = sites.gated_residual_site(hidden_states, a2v_attn_hidden_states, a2v_gate, site=self)
+            # bitfuse: the product commutes bitwise
+            # diffusers: hidden_states = hidden_states + a2v_gate * a2v_attn_hidden_states
+            hidden_states = sites.gated_residual_site(hidden_states, a2v_attn_hidden_states, a2v_gate)
 
         # 3.3. Video-to-Audio Cross Attention: Q: Audio; K,V: Video
         if use_v2a_cross_attention:
+            # diffusers: mod_norm_hidden_states = norm_hidden_states * (
+            # diffusers:     1 + video_v2a_ca_scale.squeeze(2)
+            # diffusers: ) + video_v2a_ca_shift.squeeze(2)
+            # diffusers: mod_norm_audio_hidden_states = norm_audio_hidden_states * (
+            # diffusers:     1 + audio_v2a_ca_scale.squeeze(2)
+            # diffusers: ) + audio_v2a_ca_shift.squeeze(2)
             mod_norm_hidden_states = sites.modulate_site(
-                norm_hidden_states, video_v2a_ca_scale.squeeze(2), video_v2a_ca_shift.squeeze(2), site=self
+                norm_hidden_states, video_v2a_ca_scale.squeeze(2), video_v2a_ca_shift.squeeze(2)
             )
             mod_norm_audio_hidden_states = sites.modulate_site(
-                norm_audio_hidden_states, audio_v2a_ca_scale.squeeze(2), audio_v2a_ca_shift.squeeze(2), site=self
+                norm_audio_hidden_states, audio_v2a_ca_scale.squeeze(2), audio_v2a_ca_shift.squeeze(2)
             )
 
             v2a_attn_hidden_states = self.video_to_audio_attn(
@@ -434,25 +408,28 @@ def _block_forward(
                 attention_mask=v2a_cross_attention_mask,
             )
 
-            # diffusers: audio_hidden_states + v2a_gate * v2a_attn_hidden_states
-            audio_hidden_states = sites.gated_residual_site(
-                audio_hidden_states, v2a_attn_hidden_states, v2a_gate, site=self
-            )
+            # diffusers: audio_hidden_states = audio_hidden_states + v2a_gate * v2a_attn_hidden_states
+            audio_hidden_states = sites.gated_residual_site(audio_hidden_states, v2a_attn_hidden_states, v2a_gate)
 
     # 4. Feedforward
-    # diffusers: self.norm3(hidden_states) * (1 + scale_mlp) + shift_mlp
+    # diffusers: norm_hidden_states = self.norm3(hidden_states) * (1 + scale_mlp) + shift_mlp
     norm_hidden_states = sites.rms_norm_modulate_site(self, self.norm3, hidden_states, scale_mlp, shift_mlp)
     ff_output = self.ff(norm_hidden_states)
-    # diffusers: hidden_states + ff_output * gate_mlp
-    hidden_states = sites.gated_residual_site(hidden_states, ff_output, gate_mlp, site=self)
+    # diffusers: hidden_states = hidden_states + ff_output * gate_mlp
+    hidden_states = sites.gated_residual_site(hidden_states, ff_output, gate_mlp)
 
+    # diffusers: norm_audio_hidden_states = self.audio_norm3(audio_hidden_states) * (1 + audio_scale_mlp) + audio_shift_mlp
     norm_audio_hidden_states = sites.rms_norm_modulate_site(
         self, self.audio_norm3, audio_hidden_states, audio_scale_mlp, audio_shift_mlp
     )
     audio_ff_output = self.audio_ff(norm_audio_hidden_states)
-    audio_hidden_states = sites.gated_residual_site(audio_hidden_states, audio_ff_output, audio_gate_mlp, site=self)
+    # diffusers: audio_hidden_states = audio_hidden_states + audio_ff_output * audio_gate_mlp
+    audio_hidden_states = sites.gated_residual_site(audio_hidden_states, audio_ff_output, audio_gate_mlp)
 
     return hidden_states, audio_hidden_states
+
+
+# ---------------------------------------------------------------- the model
 
 
 def _on_device(values, dtype: torch.dtype, device) -> torch.Tensor:
@@ -483,7 +460,7 @@ def _prepare_video_coords(
 
     # 2. Get the patch boundaries with respect to the latent video grid
     patch_size = (self.patch_size_t, self.patch_size, self.patch_size)
-    # diffusers: torch.tensor(patch_size, dtype=grid.dtype, device=grid.device)
+    # diffusers: patch_size_delta = torch.tensor(patch_size, dtype=grid.dtype, device=grid.device)
     patch_size_delta = _on_device(patch_size, grid.dtype, grid.device)
     patch_ends = grid + patch_size_delta.view(3, 1, 1, 1)
 
@@ -494,7 +471,8 @@ def _prepare_video_coords(
     latent_coords = latent_coords.unsqueeze(0).repeat(batch_size, 1, 1, 1)
 
     # 3. Calculate the pixel space patch boundaries from the latent boundaries.
-    # diffusers: torch.tensor(self.scale_factors, device=latent_coords.device) (dtype inferred on the host)
+    # bitfuse: the dtype torch.tensor infers on the host from the list
+    # diffusers: scale_tensor = torch.tensor(self.scale_factors, device=latent_coords.device)
     scale_tensor = _on_device(self.scale_factors, torch.tensor(self.scale_factors).dtype, latent_coords.device)
     # Broadcast the VAE scale factors such that they are compatible with latent_coords's shape
     broadcast_shape = [1] * latent_coords.ndim
@@ -512,132 +490,33 @@ def _prepare_video_coords(
     return pixel_coords
 
 
-class _TimestepEmbeddings:
-    """`embed(m, t, batch_size=, hidden_dtype=)` is `m(t, ...)` for diffusers'
-    `LTX2AdaLayerNormSingle` modules, within one forward.
-
-    The forward embeds the same timestep values with up to six of these modules
-    (video, audio, both cross-attention scale/shift; the two gates embed the same
-    product twice), and each starts with the same parameter-free sinusoidal
-    projection (`Timesteps`: about ten small ops, run by the host while the GPU
-    waits). Here a projection, and the gates' product, are computed once per
-    distinct input: the same tensor (storage, offset, shape, strides, version;
-    held, so its memory is not reused within the forward) and the same settings,
-    so the same ops on the same values. Modules of other classes, with hooks or
-    instance forwards, run as they are; so does everything while compiling."""
-
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled and not (_module_hooks._global_forward_hooks or _module_hooks._global_forward_pre_hooks)
-        self.memo: dict = {}
-
-    @staticmethod
-    def _id(t: torch.Tensor) -> tuple:
-        return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t._version)
-
-    def product(self, t, factor):
-        """`t * factor`."""
-        if not self.enabled:
-            return t * factor
-        key = ("product", self._id(t), type(factor), factor)
-        hit = self.memo.get(key)
-        if hit is None:
-            hit = self.memo[key] = (t, t * factor)
-        return hit[1]
-
-    def __call__(self, module, timestep, *, batch_size=None, hidden_dtype=None):
-        emb = getattr(module, "emb", None)
-        proj = getattr(emb, "time_proj", None)
-        if not (self.enabled and _plain_module(module, LTX2AdaLayerNormSingle)
-                and _plain_module(emb, PixArtAlphaCombinedTimestepSizeEmbeddings)
-                and not emb.use_additional_conditions and _plain_module(proj, Timesteps)):
-            return module(timestep, batch_size=batch_size, hidden_dtype=hidden_dtype)
-        key = ("proj", self._id(timestep), proj.num_channels, proj.flip_sin_to_cos, proj.downscale_freq_shift,
-               proj.scale)
-        hit = self.memo.get(key)
-        if hit is None:
-            hit = self.memo[key] = (timestep, proj(timestep))
-        # diffusers: LTX2AdaLayerNormSingle.forward -> PixArtAlphaCombinedTimestepSizeEmbeddings.forward
-        embedded_timestep = emb.timestep_embedder(hit[1].to(dtype=hidden_dtype))
-        return module.linear(module.silu(embedded_timestep)), embedded_timestep
-
-
-def _plain_module(module, cls) -> bool:
-    """`module` is a `cls` whose call is just `cls.forward`: no hooks, no instance forward."""
-    return (type(module) is cls and "forward" not in module.__dict__ and not (
-        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks))
-
-
-class RopeCache:
-    """The RoPE frequencies of the last coordinates the forward built itself, per modality.
-
-    When the caller passes no `video_coords` / `audio_coords`, the forward builds
-    them from integers (batch size, frames, height, width, fps) and turns them into
-    cos/sin tables with some forty small ops, which run on the host while the GPU
-    waits: 2.3 ms of a 32 ms forward at full width on the H200 (bench/timeline.py).
-    Those tables are a pure function of the integers, the device and the RoPE
-    modules' settings (diffusers' code, sha-checked), so the last tables per
-    modality are kept and returned while that key holds: the same tensors the
-    computation gives, bit for bit. Coordinates passed by the caller (the
-    pipelines pass them) are not cached: their values could change unseen.
-
-    Not used (computed as diffusers does) while compiling, while capturing a CUDA
-    graph, when a RoPE module has hooks or another forward, or after anything
-    wrote to the kept tables in place (their version counters). Memory: the kept
-    tables (video cos + sin: 2 x S x D fp32, 200 MB at 6144 x 4096) stay
-    allocated between forwards; `clear()` or `handle.restore()` frees them."""
-
-    def __init__(self):
-        self.entries: dict = {}  # modality -> (key, value, versions)
-
-    def get(self, modality: str, args: tuple, modules: tuple, compute):
-        if torch.compiler.is_compiling() or policy._capturing():
-            return compute()
-        settings = []
-        for m in modules:
-            if type(m).forward is not LTX2AudioVideoRotaryPosEmbed.forward or "forward" in m.__dict__ or (
-                m._forward_hooks or m._forward_pre_hooks
-            ):
-                return compute()
-            settings.append(_settings_of(m))
-        device = args[-1]
-        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
-        key = (args, tuple(settings), stream, torch.get_default_dtype(), torch.is_grad_enabled(),
-               torch.is_inference_mode_enabled())
-        try:
-            hash(key)
-        except TypeError:  # a setting that can't be keyed: no caching
-            return compute()
-        entry = self.entries.get(modality)
-        if entry is not None and entry[0] == key and _versions(entry[1]) == entry[2]:
-            return entry[1]
-        value = compute()
-        self.entries[modality] = (key, value, _versions(value))
-        return value
-
-    def clear(self) -> None:
-        self.entries.clear()
-
-
-def _settings_of(module) -> tuple:
-    return (type(module),) + tuple(
-        (k, v) for k, v in vars(module).items()
-        if not k.startswith("_") and isinstance(v, (bool, int, float, str, tuple, type(None)))
-    )
-
-
-def _versions(value) -> tuple:
-    return tuple(t._version for pair in value for t in pair)
-
-
-def _rope_cache(model):
-    handle = model.__dict__.get("_bitfuse_handle")
-    return None if handle is None else handle.rope_cache
-
-
 def _video_coords(rope, *args, **kwargs):
     if type(rope).prepare_video_coords is LTX2AudioVideoRotaryPosEmbed.prepare_video_coords:
         return _prepare_video_coords(rope, *args, **kwargs)
     return rope.prepare_video_coords(*args, **kwargs)
+
+
+def _rope_cache(model) -> RopeCache | None:
+    handle = model.__dict__.get("_bitfuse_handle")
+    return None if handle is None else handle.rope_cache
+
+
+def _all_zero(perturbation_mask: torch.Tensor) -> bool:
+    return bool(torch.all(perturbation_mask == 0))
+
+
+def _all_perturbed(perturbation_mask):
+    """diffusers' `torch.all(perturbation_mask == 0) if perturbation_mask is not None else False`,
+    which the perturbed processors branch on (`if all_perturbed:`, a host sync that
+    CUDA-graph capture refuses), as a Python bool computed once: the value the graph
+    runner computed for this call before the graph (`_hoist`), else in a graph break
+    (outside any capture: here). While compiling, diffusers' tensor, as diffusers has it."""
+    if perturbation_mask is None:
+        return False
+    if policy.compiling():
+        return torch.all(perturbation_mask == 0)
+    given = graphs.hoisted("all_perturbed")
+    return given if given is not None else graphs.graph_break(_all_zero, perturbation_mask)
 
 
 @apply_lora_scale("attention_kwargs")
@@ -669,8 +548,8 @@ def _model_forward(
     video_keyframes_mask: torch.Tensor | None = None,
     return_dict: bool = True,
 ) -> torch.Tensor:
-    """diffusers 0.42.1 `LTX2VideoTransformer3DModel.forward`, output-head adaLN routed
-    through bitfuse and RoPE video coordinates built on the device."""
+    """diffusers 0.42.1 `LTX2VideoTransformer3DModel.forward`: output-head adaLN through
+    bitfuse, RoPE video coordinates built on the device, host work shared (see the module)."""
     # Determine timestep for audio.
     audio_timestep = audio_timestep if audio_timestep is not None else timestep
     audio_sigma = audio_sigma if audio_sigma is not None else sigma
@@ -692,10 +571,24 @@ def _model_forward(
     batch_size = hidden_states.size(0)
 
     # 1. Prepare RoPE positional embeddings
-    # (bitfuse: frequencies of coordinates built here, from integers, come from _rope_cache)
+    # diffusers: if video_coords is None:
+    # diffusers:     video_coords = self.rope.prepare_video_coords(
+    # diffusers:         batch_size, num_frames, height, width, hidden_states.device, fps=fps
+    # diffusers:     )
+    # diffusers: if audio_coords is None:
+    # diffusers:     audio_coords = self.audio_rope.prepare_audio_coords(
+    # diffusers:         batch_size, audio_num_frames, audio_hidden_states.device
+    # diffusers:     )
+    # diffusers: video_rotary_emb = self.rope(video_coords, device=hidden_states.device)
+    # diffusers: audio_rotary_emb = self.audio_rope(audio_coords, device=audio_hidden_states.device)
+    # diffusers: video_cross_attn_rotary_emb = self.cross_attn_rope(video_coords[:, 0:1, :], device=hidden_states.device)
+    # diffusers: audio_cross_attn_rotary_emb = self.cross_attn_audio_rope(
+    # diffusers:     audio_coords[:, 0:1, :], device=audio_hidden_states.device
+    # diffusers: )
+    # bitfuse: the same calls per modality, the video coordinates built on the device (_video_coords); the
+    # bitfuse: tables of coordinates built here, from integers, are kept between calls (ltx2_host.RopeCache)
     def video_ropes(video_coords):
         if video_coords is None:
-            # diffusers: self.rope.prepare_video_coords(...) (bitfuse: no host-to-device copy inside)
             video_coords = _video_coords(
                 self.rope, batch_size, num_frames, height, width, hidden_states.device, fps=fps
             )
@@ -710,7 +603,7 @@ def _model_forward(
         return (self.audio_rope(audio_coords, device=audio_hidden_states.device),
                 self.cross_attn_audio_rope(audio_coords[:, 0:1, :], device=audio_hidden_states.device))
 
-    cache = None if torch.compiler.is_compiling() else _rope_cache(self)
+    cache = None if policy.compiling() else _rope_cache(self)
     if video_coords is None and cache is not None:
         video_rotary_emb, video_cross_attn_rotary_emb = cache.get(
             "video", (batch_size, num_frames, height, width, fps, hidden_states.device),
@@ -734,8 +627,9 @@ def _model_forward(
         hidden_states = hidden_states + marker * self.keyframes_abs_pos_embedding.to(dtype=hidden_states.dtype)
 
     # 3. Prepare timestep embeddings and modulation parameters
-    # (bitfuse: embed(m, t, ...) is m(t, ...) with the sinusoidal projection of equal inputs shared)
-    embed = _TimestepEmbeddings(enabled=not torch.compiler.is_compiling())
+    # bitfuse: embed(m, t, ...) is m(t, ...), the sinusoidal projection of equal inputs computed once
+    # bitfuse: (ltx2_host.TimestepEmbeddings)
+    embed = TimestepEmbeddings(enabled=not policy.compiling())
     timestep_cross_attn_gate_scale_factor = (
         self.config.cross_attn_timestep_scale_multiplier / self.config.timestep_scale_multiplier
     )
@@ -743,6 +637,7 @@ def _model_forward(
     # 3.1. Prepare global modality (video and audio) timestep embedding and modulation parameters
     # temb is used in the transformer blocks (as expected), while embedded_timestep is used for the output layer
     # modulation with scale_shift_table (and similarly for audio)
+    # diffusers: temb, embedded_timestep = self.time_embed(
     temb, embedded_timestep = embed(
         self.time_embed,
         timestep.flatten(),
@@ -752,6 +647,7 @@ def _model_forward(
     temb = temb.view(batch_size, -1, temb.size(-1))
     embedded_timestep = embedded_timestep.view(batch_size, -1, embedded_timestep.size(-1))
 
+    # diffusers: temb_audio, audio_embedded_timestep = self.audio_time_embed(
     temb_audio, audio_embedded_timestep = embed(
         self.audio_time_embed,
         audio_timestep.flatten(),
@@ -763,14 +659,15 @@ def _model_forward(
 
     if self.prompt_modulation and self.config.use_prompt_adaln_single:
         # LTX-2.3
+        # diffusers: temb_prompt, _ = self.prompt_adaln(
         temb_prompt, _ = embed(
-            self.prompt_adaln, sigma.flatten(), batch_size=batch_size, hidden_dtype=hidden_states.dtype
+            self.prompt_adaln,
+            sigma.flatten(), batch_size=batch_size, hidden_dtype=hidden_states.dtype
         )
+        # diffusers: temb_prompt_audio, _ = self.audio_prompt_adaln(
         temb_prompt_audio, _ = embed(
             self.audio_prompt_adaln,
-            audio_sigma.flatten(),
-            batch_size=batch_size,
-            hidden_dtype=audio_hidden_states.dtype,
+            audio_sigma.flatten(), batch_size=batch_size, hidden_dtype=audio_hidden_states.dtype
         )
         temb_prompt = temb_prompt.view(batch_size, -1, temb_prompt.size(-1))
         temb_prompt_audio = temb_prompt_audio.view(batch_size, -1, temb_prompt_audio.size(-1))
@@ -779,12 +676,15 @@ def _model_forward(
 
     # 3.2. Prepare global modality cross attention modulation parameters
     video_ca_timestep = audio_sigma.flatten() if use_cross_timestep else timestep.flatten()
+    # diffusers: video_cross_attn_scale_shift, _ = self.av_cross_attn_video_scale_shift(
     video_cross_attn_scale_shift, _ = embed(
         self.av_cross_attn_video_scale_shift,
         video_ca_timestep,
         batch_size=batch_size,
         hidden_dtype=hidden_states.dtype,
     )
+    # diffusers: video_cross_attn_a2v_gate, _ = self.av_cross_attn_video_a2v_gate(
+    # diffusers:     video_ca_timestep * timestep_cross_attn_gate_scale_factor,
     video_cross_attn_a2v_gate, _ = embed(
         self.av_cross_attn_video_a2v_gate,
         embed.product(video_ca_timestep, timestep_cross_attn_gate_scale_factor),
@@ -797,12 +697,15 @@ def _model_forward(
     video_cross_attn_a2v_gate = video_cross_attn_a2v_gate.view(batch_size, -1, video_cross_attn_a2v_gate.shape[-1])
 
     audio_ca_timestep = sigma.flatten() if use_cross_timestep else audio_timestep.flatten()
+    # diffusers: audio_cross_attn_scale_shift, _ = self.av_cross_attn_audio_scale_shift(
     audio_cross_attn_scale_shift, _ = embed(
         self.av_cross_attn_audio_scale_shift,
         audio_ca_timestep,
         batch_size=batch_size,
         hidden_dtype=audio_hidden_states.dtype,
     )
+    # diffusers: audio_cross_attn_v2a_gate, _ = self.av_cross_attn_audio_v2a_gate(
+    # diffusers:     audio_ca_timestep * timestep_cross_attn_gate_scale_factor,
     audio_cross_attn_v2a_gate, _ = embed(
         self.av_cross_attn_audio_v2a_gate,
         embed.product(audio_ca_timestep, timestep_cross_attn_gate_scale_factor),
@@ -820,7 +723,9 @@ def _model_forward(
         encoder_hidden_states = encoder_hidden_states.view(batch_size, -1, hidden_states.size(-1))
 
         audio_encoder_hidden_states = self.audio_caption_projection(audio_encoder_hidden_states)
-        audio_encoder_hidden_states = audio_encoder_hidden_states.view(batch_size, -1, audio_hidden_states.size(-1))
+        audio_encoder_hidden_states = audio_encoder_hidden_states.view(
+            batch_size, -1, audio_hidden_states.size(-1)
+        )
 
     # 5. Run transformer blocks
     spatio_temporal_guidance_blocks = spatio_temporal_guidance_blocks or []
@@ -829,7 +734,8 @@ def _model_forward(
         perturbation_mask = torch.zeros((batch_size,))
     if perturbation_mask is not None and perturbation_mask.ndim == 1:
         perturbation_mask = perturbation_mask[:, None, None]  # unsqueeze to 3D to broadcast with hidden_states
-    all_perturbed = torch.all(perturbation_mask == 0) if perturbation_mask is not None else False
+    # diffusers: all_perturbed = torch.all(perturbation_mask == 0) if perturbation_mask is not None else False
+    all_perturbed = _all_perturbed(perturbation_mask)
     stg_blocks = set(spatio_temporal_guidance_blocks)
 
     for block_idx, block in enumerate(self.transformer_blocks):
@@ -900,13 +806,16 @@ def _model_forward(
     scale_shift_values = self.scale_shift_table[None, None] + embedded_timestep[:, :, None]
     shift, scale = scale_shift_values[:, :, 0], scale_shift_values[:, :, 1]
 
-    # diffusers: hidden_states = self.norm_out(hidden_states); hidden_states * (1 + scale) + shift
+    # diffusers: hidden_states = self.norm_out(hidden_states)
+    # diffusers: hidden_states = hidden_states * (1 + scale) + shift
     hidden_states = sites.layer_norm_modulate_site(self, self.norm_out, hidden_states, scale, shift)
     output = self.proj_out(hidden_states)
 
     audio_scale_shift_values = self.audio_scale_shift_table[None, None] + audio_embedded_timestep[:, :, None]
     audio_shift, audio_scale = audio_scale_shift_values[:, :, 0], audio_scale_shift_values[:, :, 1]
 
+    # diffusers: audio_hidden_states = self.audio_norm_out(audio_hidden_states)
+    # diffusers: audio_hidden_states = audio_hidden_states * (1 + audio_scale) + audio_shift
     audio_hidden_states = sites.layer_norm_modulate_site(
         self, self.audio_norm_out, audio_hidden_states, audio_scale, audio_shift
     )
@@ -917,11 +826,18 @@ def _model_forward(
     return AudioVisualModelOutput(sample=output, audio_sample=audio_output)
 
 
-# ---------------------------------------------------------------- attention processors
+# ---------------------------------------------------------------- attention
+#
+# The two processor copies repeat each other as diffusers' two processors do (review
+# item D1): each is checked line for line against its own stock class. Deriving them
+# from one source would trade that check for an argument: running the stock bytecode
+# with the two `apply_*_rotary_emb` globals rebound would rotate query and key in two
+# launches (the paired launch reads cos/sin once), and the plain processor is not
+# the perturbed one with no mask (it projects q, k, v in another order).
 
 
 def _rope(attn, query, key, query_rotary_emb, key_rotary_emb):
-    # diffusers: apply_{interleaved,split}_rotary_emb(query, ...), then (key, key_rotary_emb or query's)
+    """diffusers' RoPE branch of both processors: query and key rotated per `attn.rope_type`."""
     if attn.rope_type in ("interleaved", "split"):
         return sites.rotary_site(query, key, query_rotary_emb, key_rotary_emb, attn.rope_type)
     return query, key
@@ -935,7 +851,7 @@ class _AttnProcessor(LTX2AudioVideoAttnProcessor):
 
     def __call__(
         self,
-        attn,
+        attn: "LTX2Attention",
         hidden_states: torch.Tensor,
         encoder_hidden_states: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
@@ -954,6 +870,7 @@ class _AttnProcessor(LTX2AudioVideoAttnProcessor):
             encoder_hidden_states = hidden_states
 
         if attn.to_gate_logits is not None:
+            # Calculate gate logits on original hidden_states
             gate_logits = attn.to_gate_logits(hidden_states)
 
         query = attn.to_q(hidden_states)
@@ -964,12 +881,21 @@ class _AttnProcessor(LTX2AudioVideoAttnProcessor):
         key = attn.norm_k(key)
 
         if query_rotary_emb is not None:
+            # diffusers: if attn.rope_type == "interleaved":
+            # diffusers:     query = apply_interleaved_rotary_emb(query, query_rotary_emb)
+            # diffusers:     key = apply_interleaved_rotary_emb(
+            # diffusers:         key, key_rotary_emb if key_rotary_emb is not None else query_rotary_emb
+            # diffusers:     )
+            # diffusers: elif attn.rope_type == "split":
+            # diffusers:     query = apply_split_rotary_emb(query, query_rotary_emb)
+            # diffusers:     key = apply_split_rotary_emb(key, key_rotary_emb if key_rotary_emb is not None else query_rotary_emb)
             query, key = _rope(attn, query, key, query_rotary_emb, key_rotary_emb)
 
         query = query.unflatten(2, (attn.heads, -1))
         key = key.unflatten(2, (attn.heads, -1))
         value = value.unflatten(2, (attn.heads, -1))
 
+        # diffusers: hidden_states = dispatch_attention_fn(
         hidden_states = _ltx2_module.dispatch_attention_fn(
             query,
             key,
@@ -985,6 +911,7 @@ class _AttnProcessor(LTX2AudioVideoAttnProcessor):
 
         if attn.to_gate_logits is not None:
             hidden_states = hidden_states.unflatten(2, (attn.heads, -1))  # [B, T, H, D]
+            # The factor of 2.0 is so that if the gates logits are zero-initialized the initial gates are all 1
             gates = 2.0 * torch.sigmoid(gate_logits)  # [B, T, H]
             hidden_states = hidden_states * gates.unsqueeze(-1)
             hidden_states = hidden_states.flatten(2, 3)
@@ -1000,7 +927,7 @@ class _PerturbedAttnProcessor(LTX2PerturbedAttnProcessor):
 
     def __call__(
         self,
-        attn,
+        attn: "LTX2Attention",
         hidden_states: torch.Tensor,
         encoder_hidden_states: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
@@ -1021,6 +948,7 @@ class _PerturbedAttnProcessor(LTX2PerturbedAttnProcessor):
             encoder_hidden_states = hidden_states
 
         if attn.to_gate_logits is not None:
+            # Calculate gate logits on original hidden_states
             gate_logits = attn.to_gate_logits(hidden_states)
 
         value = attn.to_v(encoder_hidden_states)
@@ -1028,6 +956,7 @@ class _PerturbedAttnProcessor(LTX2PerturbedAttnProcessor):
             all_perturbed = torch.all(perturbation_mask == 0) if perturbation_mask is not None else False
 
         if all_perturbed:
+            # Skip attention, use the value projection value
             hidden_states = value
         else:
             query = attn.to_q(hidden_states)
@@ -1037,12 +966,23 @@ class _PerturbedAttnProcessor(LTX2PerturbedAttnProcessor):
             key = attn.norm_k(key)
 
             if query_rotary_emb is not None:
+                # diffusers: if attn.rope_type == "interleaved":
+                # diffusers:     query = apply_interleaved_rotary_emb(query, query_rotary_emb)
+                # diffusers:     key = apply_interleaved_rotary_emb(
+                # diffusers:         key, key_rotary_emb if key_rotary_emb is not None else query_rotary_emb
+                # diffusers:     )
+                # diffusers: elif attn.rope_type == "split":
+                # diffusers:     query = apply_split_rotary_emb(query, query_rotary_emb)
+                # diffusers:     key = apply_split_rotary_emb(
+                # diffusers:         key, key_rotary_emb if key_rotary_emb is not None else query_rotary_emb
+                # diffusers:     )
                 query, key = _rope(attn, query, key, query_rotary_emb, key_rotary_emb)
 
             query = query.unflatten(2, (attn.heads, -1))
             key = key.unflatten(2, (attn.heads, -1))
             value = value.unflatten(2, (attn.heads, -1))
 
+            # diffusers: hidden_states = dispatch_attention_fn(
             hidden_states = _ltx2_module.dispatch_attention_fn(
                 query,
                 key,
@@ -1062,6 +1002,7 @@ class _PerturbedAttnProcessor(LTX2PerturbedAttnProcessor):
 
         if attn.to_gate_logits is not None:
             hidden_states = hidden_states.unflatten(2, (attn.heads, -1))  # [B, T, H, D]
+            # The factor of 2.0 is so that if the gates logits are zero-initialized the initial gates are all 1
             gates = 2.0 * torch.sigmoid(gate_logits)  # [B, T, H]
             hidden_states = hidden_states * gates.unsqueeze(-1)
             hidden_states = hidden_states.flatten(2, 3)
@@ -1086,20 +1027,23 @@ def _attention_forward(
     """diffusers 0.42.1 `LTX2Attention.forward`, with the processor's parameter names
     cached per processor class: diffusers runs `inspect.signature` on every call, tens
     of microseconds of host time each (the same names, the same filtering and warning)."""
+    # diffusers: attn_parameters = set(inspect.signature(self.processor.__call__).parameters.keys())
+    # bitfuse: cached for the processor classes whose __call__ is a plain method (no instance override)
     processor = self.processor
     cls = type(processor)
     attn_parameters = _call_parameters.get(cls) if "__call__" not in getattr(processor, "__dict__", {}) else None
     if attn_parameters is None:
         attn_parameters = set(inspect.signature(processor.__call__).parameters.keys())
         if isinstance(processor, (LTX2AudioVideoAttnProcessor, LTX2PerturbedAttnProcessor)):
-            _call_parameters[cls] = attn_parameters  # classes whose __call__ is a plain method
+            _call_parameters[cls] = attn_parameters
     unused_kwargs = [k for k, _ in kwargs.items() if k not in attn_parameters]
     if len(unused_kwargs) > 0:
+        # diffusers: logger.warning(
         _ltx2_module.logger.warning(
-            f"attention_kwargs {unused_kwargs} are not expected by {processor.__class__.__name__} and will be ignored."
+            f"attention_kwargs {unused_kwargs} are not expected by {self.processor.__class__.__name__} and will be ignored."
         )
     kwargs = {k: w for k, w in kwargs.items() if k in attn_parameters}
-    hidden_states = processor(
+    hidden_states = self.processor(
         self, hidden_states, encoder_hidden_states, attention_mask, query_rotary_emb, key_rotary_emb, **kwargs
     )
     return hidden_states
@@ -1108,130 +1052,105 @@ def _attention_forward(
 #: stock processor class -> ours; a processor of any other class (a user's) is left alone
 _PROCESSORS = {LTX2AudioVideoAttnProcessor: _AttnProcessor, LTX2PerturbedAttnProcessor: _PerturbedAttnProcessor}
 
+#: our line-for-line copies, by the stock name they copy (tests/test_copies.py diffs them)
+COPIES = {
+    "LTX2VideoTransformerBlock.forward": _block_forward,
+    "LTX2VideoTransformer3DModel.forward": inspect.unwrap(_model_forward),
+    "LTX2AudioVideoRotaryPosEmbed.prepare_video_coords": _prepare_video_coords,
+    "LTX2Attention.forward": _attention_forward,
+    "LTX2AudioVideoAttnProcessor.__call__": _AttnProcessor.__call__,
+    "LTX2PerturbedAttnProcessor.__call__": _PerturbedAttnProcessor.__call__,
+}
 
-class _ProcessorSwap:
-    """Our processor class on one stock processor instance."""
-
-    __slots__ = ("processor", "stock")
-
-    def __init__(self, processor):
-        self.processor = processor
-        self.stock = type(processor)
-        processor.__class__ = _PROCESSORS[self.stock]
-
-    def undo(self) -> None:
-        if type(self.processor) is _PROCESSORS[self.stock]:
-            self.processor.__class__ = self.stock
-
-
-# ---------------------------------------------------------------- installing per instance
+SOURCES = _install.CopiedSources(
+    "LTX-2", release="0.42", copied_from="0.42.1", sha256=VERIFIED_SOURCES, stock=stock_functions,
+    copies=lambda: COPIES,
+)
 
 
-def _is_bound(f, func, module) -> bool:
-    return isinstance(f, types.MethodType) and f.__func__ is func and f.__self__ is module
+# ---------------------------------------------------------------- accelerate
 
 
-def _slots(module):
-    """Places that can hold a module's innermost forward: the instance attribute
-    (no wrapper), HF accelerate's `_old_forward` (cpu offload hooks), and the
-    function references of diffusers' hook registry (group offloading, caches, ...)."""
-    yield module.__dict__, "forward"
-    if "_old_forward" in module.__dict__:
-        yield module.__dict__, "_old_forward"
-    registry = module.__dict__.get("_diffusers_hook")
-    for ref in getattr(registry, "_fn_refs", ()):
-        yield ref.__dict__, "forward"
-        yield ref.__dict__, "original_forward"
+class LTX2Handle(_install.Handle):
+    """What `accelerate` installed on one LTX-2 transformer (see `_install.Handle`).
 
-
-class _Install:
-    """Our forward in place of the stock one on one module instance."""
-
-    __slots__ = ("module", "stock", "ours")
-
-    def __init__(self, module, stock_func, our_func):
-        self.module = module
-        self.stock = stock_func
-        self.ours = types.MethodType(our_func, module)
-        if "forward" not in module.__dict__:
-            # the common case: forward is the class's; shadow it on the instance
-            module.__dict__["forward"] = self.ours
-            return
-        # something already wraps this instance's forward (hooks): replace the stock
-        # forward where the wrapper keeps it, so the wrapper keeps working around ours
-        for holder, key in _slots(module):
-            if _is_bound(holder.get(key), stock_func, module):
-                holder[key] = self.ours
-                return
-        raise UnsupportedModelError(
-            f"the forward of {type(module).__name__} is wrapped by something bitfuse does not recognise "
-            f"({module.__dict__['forward']!r}); accelerate the model before wrapping it"
-        )
-
-    def undo(self) -> None:
-        module = self.module
-        for holder, key in _slots(module):
-            if holder.get(key) is self.ours:
-                if holder is module.__dict__ and key == "forward":
-                    del holder[key]  # the class forward shows through again
-                else:
-                    holder[key] = types.MethodType(self.stock, module)
-
-
-# ---------------------------------------------------------------- the handle
-
-
-class LTX2Handle:
-    """What `accelerate` installed on one LTX-2 transformer.
-
-    model: the transformer. quality: the tier mounted on its sites.
-    restore(): the stock forwards back, sites unmarked (idempotent).
-    graphs: whatever `bitfuse.graphs.wrap_model_for_graphs` returned (cuda_graphs=True),
-    restored first by `restore()` if it has a `restore` method."""
+    rope_cache: the RoPE tables kept between forwards (ltx2_host.RopeCache); restore()
+    clears it."""
 
     def __init__(self, model, quality: str):
-        self.model = model
-        self.quality = quality
-        self.blocks = list(model.transformer_blocks)
-        self.graphs = None
-        self.pipeline = None
-        self._installs: list = []  # _Install and _ProcessorSwap, undone in reverse
-        self._marked: list[torch.nn.Module] = []
-        self.active = False
+        super().__init__(model, quality)
         self.rope_cache = RopeCache()
+        self.on_restore(self.rope_cache.clear)
 
-    @property
-    def sites(self) -> list:
-        return sites.sites_of(self.model) if self.active else []
-
-    def restore(self) -> None:
-        with _lock:
-            if self.graphs is not None and hasattr(self.graphs, "restore"):
-                self.graphs.restore()
-            self.graphs = None
-            for inst in reversed(self._installs):
-                inst.undo()
-            self._installs.clear()
-            for m in self._marked:
-                sites.unmark_site(m)
-            self._marked.clear()
-            self.rope_cache.clear()
-            if self.model.__dict__.get("_bitfuse_handle") is self:
-                del self.model.__dict__["_bitfuse_handle"]
-            self.active = False
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.restore()
-
-    def __repr__(self) -> str:
-        state = "active" if self.active else "restored"
-        return f"<bitfuse LTX2Handle {state}: {len(self.blocks)} blocks + head, quality={self.quality!r}>"
+    def graph_options(self) -> dict:
+        """Also computes, per call and before the graph, the branch of spatio-temporal
+        guidance (`_hoist`): a forward with a perturbation mask then captures whole."""
+        return {**super().graph_options(), "hoist": _hoist}
 
 
-_lock = threading.RLock()
+_FORWARD_PARAMETERS = list(inspect.signature(LTX2VideoTransformer3DModel.forward).parameters)[1:]  # no self
+
+
+def _argument(args: tuple, kwargs: dict, name: str):
+    """The value the forward's parameter `name` receives from a call (None if not passed)."""
+    if name in kwargs:
+        return kwargs[name]
+    index = _FORWARD_PARAMETERS.index(name)
+    return args[index] if index < len(args) else None
+
+
+def _hoist(args: tuple, kwargs: dict) -> dict:
+    """The graph runner's `hoist` (bitfuse.graphs): what `_all_perturbed` would compute
+    for this forward call, computed before the signature is keyed (outside capture),
+    so that the graph replays only for calls that take the same STG branch."""
+    mask = _argument(args, kwargs, "perturbation_mask")
+    if isinstance(mask, torch.Tensor):
+        return {"all_perturbed": _all_zero(mask)}
+    if mask is None and _argument(args, kwargs, "spatio_temporal_guidance_blocks"):
+        return {"all_perturbed": True}  # diffusers' default mask: zeros, every sample perturbed
+    return {}
+
+
+def stock_graph_options(model: LTX2VideoTransformer3DModel) -> dict:
+    """GraphRunner options for graphing a *stock* (not accelerated) LTX-2 forward:
+    `prepare` computes, once per signature and outside capture, the RoPE coordinates
+    the forward would build (diffusers builds them with a pageable host-to-device copy,
+    which capture refuses) and passes them as `video_coords` / `audio_coords`.
+
+        graphs.wrap_model_for_graphs(model, **ltx2.stock_graph_options(model))
+
+    A stock forward given a perturbation mask still syncs inside (its signature then
+    runs eagerly); the accelerated forward does not."""
+    sig = inspect.signature(type(model).forward)
+    positional = {n: _FORWARD_PARAMETERS.index(n) for n in ("video_coords", "audio_coords")}
+
+    def prepare(args: tuple, kwargs: dict) -> dict:
+        try:
+            bound = sig.bind(model, *args, **kwargs)
+        except TypeError:
+            return {}  # the forward raises its own error
+        bound.apply_defaults()
+        a = bound.arguments
+        hidden, audio_hidden = a["hidden_states"], a["audio_hidden_states"]
+        if not isinstance(hidden, torch.Tensor) or not isinstance(audio_hidden, torch.Tensor):
+            return {}
+        batch_size = hidden.size(0)
+        extra = {}
+        # given positionally (even as None) they cannot be added as keywords: leave the call alone;
+        # bad arguments: leave them to the forward, which raises its own error
+        if a["video_coords"] is None and len(args) <= positional["video_coords"]:
+            with contextlib.suppress(Exception):
+                extra["video_coords"] = model.rope.prepare_video_coords(
+                    batch_size, a["num_frames"], a["height"], a["width"], hidden.device, fps=a["fps"]
+                )
+        if a["audio_coords"] is None and len(args) <= positional["audio_coords"]:
+            with contextlib.suppress(Exception):
+                extra["audio_coords"] = model.audio_rope.prepare_audio_coords(
+                    batch_size, a["audio_num_frames"], audio_hidden.device
+                )
+        return extra
+
+    return {"prepare": prepare, "name": f"{type(model).__name__}.forward"}
 
 
 def _fused_norms(block) -> tuple:
@@ -1246,63 +1165,28 @@ def _fused_norms(block) -> tuple:
     return tuple(norms + [block.norm3, block.audio_norm3])
 
 
-def is_ltx2(model) -> bool:
-    return isinstance(model, LTX2VideoTransformer3DModel)
+def _sites(model) -> list:
+    blocks = [(f"transformer_blocks.{i}", b, _fused_norms(b)) for i, b in enumerate(model.transformer_blocks)]
+    return blocks + [("head", model, (model.norm_out, model.audio_norm_out))]
 
 
 def accelerate(model, *, quality: str = "lossless", force: bool = False) -> LTX2Handle:
-    """Install bitfuse's faithful forwards on `model` (an `LTX2VideoTransformer3DModel`)
-    and its blocks, mark them as sites and mount `quality` (all or nothing).
-    Called again with the same quality, returns the existing handle."""
-    policy.check_tier(quality)
-    if not is_ltx2(model):
-        raise UnsupportedModelError(f"expected diffusers' LTX2VideoTransformer3DModel, got {type(model).__name__}")
-    with _lock:
-        existing = model.__dict__.get("_bitfuse_handle")
-        if existing is not None and existing.active:
-            if existing.quality == quality:
-                return existing
-            raise AlreadyAcceleratedError(
-                f"this model is already accelerated with quality={existing.quality!r}; call "
-                f"handle.restore() first, or switch tiers per call with bitfuse.quality({quality!r})"
-            )
-        check_supported(force)
-        if type(model).forward is not LTX2VideoTransformer3DModel.forward:
-            raise UnsupportedModelError(
-                f"{type(model).__name__} overrides LTX2VideoTransformer3DModel.forward; bitfuse would replace it"
-            )
-        blocks = list(model.transformer_blocks)
-        for i, block in enumerate(blocks):
-            if type(block).forward is not LTX2VideoTransformerBlock.forward:
-                raise UnsupportedModelError(
-                    f"transformer_blocks[{i}] is {type(block).__name__}, whose forward is not "
-                    "LTX2VideoTransformerBlock.forward; bitfuse would replace it"
-                )
-            if getattr(block, "_bitfuse_site", None) is not None:
-                raise AlreadyAcceleratedError(f"transformer_blocks[{i}] is already marked as a bitfuse site")
-
-        handle = LTX2Handle(model, quality)
-        try:
-            for i, block in enumerate(blocks):
-                handle._installs.append(_Install(block, LTX2VideoTransformerBlock.forward, _block_forward))
-                sites.mark_site(block, f"transformer_blocks.{i}", norms=_fused_norms(block))
-                handle._marked.append(block)
-            handle._installs.append(_Install(model, LTX2VideoTransformer3DModel.forward, _model_forward))
-            for module in model.modules():
-                if type(module).forward is LTX2Attention.forward:
-                    handle._installs.append(_Install(module, LTX2Attention.forward, _attention_forward))
-            swapped = set()
-            for module in model.modules():
-                processor = getattr(module, "processor", None)
-                if type(processor) in _PROCESSORS and id(processor) not in swapped:
-                    handle._installs.append(_ProcessorSwap(processor))
-                    swapped.add(id(processor))
-            sites.mark_site(model, "head", norms=(model.norm_out, model.audio_norm_out))
-            handle._marked.append(model)
-            handle.active = True
-            model.__dict__["_bitfuse_handle"] = handle
-            sites.mount(model, quality)
-        except BaseException:
-            handle.restore()
-            raise
-        return handle
+    """Install bitfuse's faithful forwards on `model` (an `LTX2VideoTransformer3DModel`),
+    its blocks, attentions and processors; mark the blocks and the head as sites and
+    mount `quality` (all or nothing). Returns the handle; called again with the same
+    quality, the existing one. See `_install.accelerate` for the errors."""
+    return _install.accelerate(
+        model,
+        LTX2Handle,
+        quality=quality,
+        force=force,
+        sources=SOURCES,
+        model_class=LTX2VideoTransformer3DModel,
+        forwards={
+            LTX2VideoTransformer3DModel: _model_forward,
+            LTX2VideoTransformerBlock: _block_forward,
+            LTX2Attention: _attention_forward,
+        },
+        processors=_PROCESSORS,
+        sites=_sites,
+    )

@@ -4,8 +4,9 @@ Every comparison is torch.equal between a graph replay and the same function run
 eagerly under the same tier ("high" against eager-high). New input values per
 call (no stale static buffers), earlier outputs re-checked after later replays
 (no overwritten outputs), a capture that must fail (pageable host-to-device copy)
-falls back to eager, and LTX-2 (tiny, when diffusers is importable) is captured
-whole, stock and accelerated."""
+falls back to eager, graph breaks (segments, a break's tensors copied in, a path
+that flips), and LTX-2 (tiny, when diffusers is importable) captured whole, stock
+and accelerated, with and without a spatio-temporal guidance mask."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ class ToyBlock(torch.nn.Module):
         shift, scale, gate = (self.table[None, None] + temb.reshape(b, temb.shape[1], 3, self.dim)).unbind(2)
         h = sites.rms_norm_modulate_site(self, self.norm, x, scale, shift)
         h = torch.nn.functional.gelu(self.ff(h), approximate="tanh")
-        return sites.gated_residual_site(x, h, gate, site=self)
+        return sites.gated_residual_site(x, h, gate)
 
 
 class ToyModel(torch.nn.Module):
@@ -236,11 +237,73 @@ def test_capture_failure_falls_back_to_eager_and_the_device_stays_usable():
         assert _equal(other(*xt), model(*xt)) and other.report()["graphs"] == 1
 
 
+def _bench():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "bench" / "graphs.py"
+    spec = importlib.util.spec_from_file_location("bench_graphs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_bench_graphs_on_the_gpu():
     model = _toy()
     x, t = _toy_inputs(2, 1024, model.dim, 0)
-    result = graphs.bench_graphs(model, {"x": x, "timestep": t}, tier="lossless", iters=5, **RUNNER_OPTIONS)
+    result = _bench().bench_graphs(model, {"x": x, "timestep": t}, tier="lossless", iters=5, **RUNNER_OPTIONS)
     assert result["equal"] and result["graphed"] and result["graph_ms"] > 0 and result["eager_ms"] > 0
+
+
+# ---------------------------------------------------------------- graph breaks
+
+
+def _positive(t):
+    return bool(t.float().sum() > 0)  # a host sync: capture refuses it
+
+
+def _row_sums(t):
+    return t.float().sum(dim=-1, keepdim=True).to(t.dtype)
+
+
+def _steered(model, x, t):
+    """The toy forward, then a branch on its output's sign (host sync) and a break
+    returning a tensor the rest reads."""
+    h, _ = model(x, t)
+    if graphs.graph_break(_positive, h):
+        h = h * 2
+    else:
+        h = h - 1
+    return h + graphs.graph_break(_row_sums, h)
+
+
+def test_graph_breaks_replay_segments_and_follow_paths():
+    model = _toy()
+    runner = GraphRunner(lambda x, t: _steered(model, x, t), max_paths=2, **RUNNER_OPTIONS)
+    with _strict():
+        for i, sign in enumerate([1, -1, 1, -1, -1]):
+            x, t = _toy_inputs(2, 256, model.dim, seed=i)
+            x = x.abs() * sign * 4  # the sign of the output follows the input's, at this scale
+            ref = _steered(model, x, t)
+            assert _equal(runner(x, t), ref), (i, sign)
+    report = runner.report()
+    (row,) = report["signatures"]
+    assert row["segments"] == 3 and len(row["paths"]) in (1, 2)
+    assert report["capture_failures"] == 0 and report["eager"] == 0
+    assert report["captures"] == len(row["paths"])
+
+
+def test_without_the_break_the_same_forward_falls_back():
+    model = _toy()
+
+    def inline(x, t):
+        h, _ = model(x, t)
+        return h * 2 if bool(h.float().sum() > 0) else h - 1
+
+    runner = GraphRunner(inline, **RUNNER_OPTIONS)
+    x, t = _toy_inputs(1, 64, model.dim, 0)
+    with pytest.warns(GraphCaptureWarning, match="capture of .* failed"):
+        assert _equal(runner(x, t), inline(x, t))
 
 
 # ---------------------------------------------------------------- LTX-2 (tiny)
@@ -273,8 +336,10 @@ def _ltx2_inputs(model, case, seed):
 @pytest.mark.parametrize("variant", ["2.0", "2.3"])
 def test_stock_ltx2_captures_whole_with_precomputed_coords(variant):
     """No bitfuse kernels: diffusers' forward as is, graphed (the 'eager+graphs' mode)."""
+    from bitfuse.models import ltx2
+
     model = _ltx2(variant)
-    runner = graphs.runner_for_model(model, **RUNNER_OPTIONS)
+    runner = GraphRunner(model.forward, **ltx2.stock_graph_options(model), **RUNNER_OPTIONS)
     with _strict():
         for case in LTX_CASES:
             for seed in range(2):
@@ -332,23 +397,73 @@ def test_accelerated_ltx2_outputs_survive_later_replays():
         handle.restore()
 
 
-def test_ltx2_stg_captures_or_falls_back_but_always_matches_eager():
-    """LTX-2.3 spatio-temporal guidance: with no mask the forward builds it on the host
-    (constant per signature: captured); a GPU mask makes the processor branch on
-    `torch.all(mask == 0)` (a host sync, not capturable): eager for that signature."""
+STG_CASES = [  # (STG blocks, mask): none, diffusers' default (all perturbed), mixed, all, none perturbed
+    (None, None),
+    ([1], None),
+    ([0, 1], [0.0, 1.0]),
+    ([1], [0.0, 0.0]),
+    ([1], [1.0, 1.0]),
+]
+
+
+def _stg_inputs(model, case, seed):
     from bitfuse.models.ltx2_configs import make_inputs
 
+    blocks, mask = case
+    return make_inputs(model, batch=2, stg_blocks=blocks, seed=seed,
+                       perturbation_mask=None if mask is None else torch.tensor(mask))
+
+
+def test_accelerated_ltx2_stg_with_and_without_a_mask_captures_whole():
+    """LTX-2.3 spatio-temporal guidance through accelerate(cuda_graphs=True): the branch
+    on `torch.all(mask == 0)` is computed per call before the graph, so every case is
+    one segment, equal to eager and to stock diffusers."""
     model = _ltx2("2.3")
-    runner = graphs.runner_for_model(model, **RUNNER_OPTIONS)
-    with _strict():
-        for seed in range(2):
-            kwargs = make_inputs(model, batch=2, stg_blocks=[1], seed=seed)
-            assert _equal(runner(**kwargs), model(**kwargs))
-    assert runner.report()["graphs"] == 1
-    mask = torch.tensor([0.0, 1.0])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", GraphCaptureWarning)
-        for seed in range(2):
-            kwargs = make_inputs(model, batch=2, stg_blocks=[1], perturbation_mask=mask, seed=seed)
-            assert _equal(runner(**kwargs), model(**kwargs))
-    assert runner.report()["calls"] == 4
+    stock = {
+        (i, seed): model(**_stg_inputs(model, case, seed)) for i, case in enumerate(STG_CASES) for seed in range(2)
+    }
+    handle = bitfuse.accelerate(model, cuda_graphs=True, max_graphs=len(STG_CASES), **RUNNER_OPTIONS)
+    try:
+        eager = handle.graphs.fn
+        with _strict():
+            for seed in range(2):
+                for i, case in enumerate(STG_CASES):
+                    kwargs = _stg_inputs(model, case, seed)
+                    out = model(**kwargs)
+                    assert _equal(out, eager(**kwargs)), (case, seed)
+                    assert _equal(out, stock[i, seed]), (case, seed)
+        report = handle.graphs.report()
+        assert report["capture_failures"] == 0 and report["eager"] == 0
+        assert report["graphs"] == len(STG_CASES) and all(r["segments"] == 1 for r in report["signatures"])
+    finally:
+        handle.restore()
+
+
+def test_accelerated_ltx2_without_the_hoist_breaks_at_the_mask():
+    """A plain runner around the accelerated forward: the forward's graph break at the
+    STG branch splits it in two segments; a mask whose truth flips takes the other path."""
+    model = _ltx2("2.3")
+    cases = [([1], [0.0, 1.0]), ([1], [0.0, 0.0]), ([1], [0.0, 1.0])]
+    refs = [model(**_stg_inputs(model, c, i)) for i, c in enumerate(cases)]
+    with bitfuse.accelerate(model):
+        runner = GraphRunner(model.forward, **RUNNER_OPTIONS)
+        with _strict():
+            for i, (case, ref) in enumerate(zip(cases, refs)):
+                assert _equal(runner(**_stg_inputs(model, case, i)), ref), case
+        runner.close()
+    report = runner.report()
+    assert report["captures"] == 2 and report["divergences"] >= 1 and report["eager"] == 0
+
+
+def test_stock_ltx2_with_a_mask_falls_back_but_matches_eager():
+    """diffusers' own forward syncs on the mask inside: that signature runs eagerly."""
+    from bitfuse.models import ltx2
+
+    model = _ltx2("2.3")
+    runner = GraphRunner(model.forward, **ltx2.stock_graph_options(model), **RUNNER_OPTIONS)
+    with pytest.warns(GraphCaptureWarning):
+        kwargs = _stg_inputs(model, STG_CASES[2], 0)
+        assert _equal(runner(**kwargs), model(**kwargs))
+    kwargs = _stg_inputs(model, STG_CASES[2], 1)
+    assert _equal(runner(**kwargs), model(**kwargs))
+    assert runner.report()["capture_failures"] == 1

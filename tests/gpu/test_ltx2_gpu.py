@@ -7,6 +7,7 @@ weights, 3072 video + 126 audio + 128 text tokens, bf16."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import torch
 diffusers = pytest.importorskip("diffusers")
 
 import bitfuse  # noqa: E402
-from bitfuse import policy  # noqa: E402
+from bitfuse import graphs, policy  # noqa: E402
 from bitfuse.models.ltx2_configs import build_model, full_config, make_inputs  # noqa: E402
 from bitfuse.numerics import max_ulp  # noqa: E402
 
@@ -154,3 +155,76 @@ def test_whole_forward_captures_in_a_cuda_graph():
         torch.cuda.synchronize()
         assert all(torch.equal(o, r) for o, r in zip(static_out, ref_new)), _describe(static_out, ref_new)
         del graph
+
+
+# ---------------------------------------------------------------- CUDA graphs, with and without STG
+
+STG = {  # spatio-temporal guidance: (blocks, mask per sample)
+    "off": (None, None),
+    "mixed": ([1], [0.0, 1.0]),
+    "all-perturbed": ([0, 1], [0.0, 0.0]),
+}
+
+
+def _stg_inputs(model, stg, seed):
+    blocks, mask = STG[stg]
+    return make_inputs(
+        model, 2, VIDEO, AUDIO, TEXT, seed=seed, use_cross_timestep=True, stg_blocks=blocks,
+        perturbation_mask=None if mask is None else torch.tensor(mask),
+    )
+
+
+def _same(out, ref) -> bool:
+    return all(torch.equal(o, r) for o, r in zip(out, ref))
+
+
+@pytest.mark.parametrize("stg", list(STG))
+def test_graphs_with_and_without_a_mask_equal_eager(stg):
+    """LTX-2.3 at full width through accelerate(cuda_graphs=True): with a perturbation
+    mask too, the forward captures whole (the STG branch is computed before the graph),
+    and every replay is torch.equal to the eager accelerated forward and to stock
+    diffusers; new inputs each call."""
+    model = _model("2.3")
+    inputs = [_stg_inputs(model, stg, seed) for seed in range(3)]
+    refs = [_run(model, kw) for kw in inputs]
+    with bitfuse.accelerate(model, cuda_graphs=True) as handle:
+        eager = handle.graphs.fn
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", graphs.GraphCaptureWarning)
+            for kw, ref in zip(inputs, refs):
+                out = _run(model, kw)
+                with torch.no_grad():
+                    eager_out = eager(**kw)
+                assert _same(out, eager_out), f"graph replay differs from eager: {_describe(out, eager_out)}"
+                assert _same(out, ref), f"lossless graph differs from diffusers: {_describe(out, ref)}"
+        report = handle.graphs.report()
+    print(f"\n[graphs stg={stg}] {[(r['segments'], r['hits']) for r in report['signatures']]}")
+    assert report["capture_failures"] == 0 and report["eager"] == 0 and report["graphs"] == 1
+    assert report["signatures"][0]["segments"] == 1 and report["signatures"][0]["hits"] == 2
+
+
+def test_graph_break_at_the_mask_at_full_width():
+    """Without the integration's hoist (a plain runner around the accelerated forward),
+    the forward breaks its graph at the STG branch: two segments, still torch.equal to
+    diffusers, and a mask whose truth flips takes its own path."""
+    model = _model("2.3")
+    cases = [("mixed", 0), ("mixed", 1)]
+    flip = make_inputs(model, 2, VIDEO, AUDIO, TEXT, seed=2, use_cross_timestep=True, stg_blocks=[1],
+                       perturbation_mask=torch.tensor([0.0, 0.0]))
+    inputs = [_stg_inputs(model, stg, seed) for stg, seed in cases] + [flip]
+    refs = [_run(model, kw) for kw in inputs]
+    with bitfuse.accelerate(model):
+        runner = graphs.GraphRunner(model.forward)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", graphs.GraphCaptureWarning)
+                for kw, ref in zip(inputs, refs):
+                    with torch.no_grad():
+                        out = runner(**kw)
+                    assert _same(out, ref), _describe(out, ref)
+            report = runner.report()
+        finally:
+            runner.close()
+    (row,) = report["signatures"]
+    print(f"\n[graph break] paths {row['paths']}")
+    assert row["segments"] == 2 and len(row["paths"]) == 2 and report["eager"] == 0
