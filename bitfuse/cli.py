@@ -1,4 +1,5 @@
-"""The `bitfuse` command: `bitfuse run` (a timed, bit-checked denoising loop) and `bitfuse verify`.
+"""The `bitfuse` command: `bitfuse run` (the LTX-2 pipeline in each mode, timed and
+checked bit for bit) and `bitfuse verify`.
 
 Each subcommand lives in a module exposing `add_arguments(parser)` and
 `main(args) -> int`; add one by adding a row to COMMANDS.
@@ -9,10 +10,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 
 # (name, module, one-line help)
 COMMANDS = [
-    ("run", "bitfuse.denoise", "run an LTX-2 denoising loop in each mode, time it, check the latents against eager"),
+    ("run", "bitfuse.run", "run the LTX-2 pipeline in each mode, time it, check its video and audio bit for bit"),
     ("verify", "bitfuse.verify", "check which fast paths are active here and that they agree with eager"),
 ]
 
@@ -41,7 +43,24 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_main", None) is None:
         parser.print_help(sys.stderr)
         return 2
+    problem = _environment_problem()
+    if problem:
+        print(f"bitfuse: error: {problem}", file=sys.stderr)
+        return 2
     return int(args._main(args) or 0)
+
+
+def _environment_problem() -> str | None:
+    """What is wrong with BITFUSE_DISABLE / BITFUSE_VERIFY, read as bitfuse.policy reads them."""
+    from . import policy
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the policy warns about (or rejects) a value it does not know
+            policy.reload_env()
+    except (ValueError, Warning) as exc:
+        return str(exc).removeprefix("bitfuse: ")
+    return None
 
 
 if __name__ == "__main__":
