@@ -30,7 +30,8 @@ from . import modes as _modes
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_PROMPT = "A red fox trots through fresh snow at dawn, its breath steaming in the cold air"
-CPU_FLOPS = 1e11  # what the ltx2-on-a-CPU estimate assumes a CPU sustains
+CPU_FLOPS = 1e11  # what the estimate of a CPU run assumes a CPU sustains
+CPU_LIMIT_S = 600  # a longer CPU run needs --yes
 _OURS = ("FallbackWarning", "GraphCaptureWarning")  # bitfuse's warnings: collected into the report
 
 
@@ -78,7 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="default: bf16 on a GPU, fp32 on a CPU")
     g.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
     g.add_argument("--seed", type=int, default=0, help="seed of the random weights, prompt and latents")
-    g.add_argument("--yes", action="store_true", help="run --preset ltx2 on a CPU anyway (hours)")
+    g.add_argument("--yes", action="store_true",
+                   help="run on a CPU what is estimated to take more than 10 minutes there (--preset ltx2: hours)")
     c = parser.add_argument_group("generation")
     c.add_argument("--prompt", default=None, help="text prompt (needs a --checkpoint with a text encoder)")
     c.add_argument("--image", default=None, metavar="PATH", help="image-to-video from this image")
@@ -185,8 +187,11 @@ def _resolve(args) -> dict:
         modes=mode_list, device=device, dtype_name=dtype_name, dtype=DTYPES[dtype_name],
         out=_check_out_dir(args.out), json=_check_output("--json", args.json), plot=_check_plot(args.plot),
     )
-    if preset == "ltx2" and not checkpoint and device.type == "cpu" and not args.yes:
-        raise UsageError(_cpu_estimate(s))
+    if device.type == "cpu" and not args.yes:
+        seconds, what = _cpu_estimate(s)
+        if seconds > CPU_LIMIT_S:
+            raise UsageError(f"on a CPU this is {what}: about {seconds / 3600:.1f} hours at {CPU_FLOPS / 1e9:.0f} "
+                             "GFLOP/s. Use a CUDA GPU or smaller sizes, or pass --yes to run it here anyway.")
     return s
 
 
@@ -257,23 +262,34 @@ def _check_out_dir(path: str) -> str:
     return path
 
 
-def _cpu_estimate(s: dict) -> str:
+def _cpu_estimate(s: dict) -> tuple[float, str]:
+    """(seconds, what) this run would take on a CPU at CPU_FLOPS, from the transformer's
+    config alone (built on the meta device) and LTX-2's 32x / 8x latent compression."""
     from diffusers import LTX2VideoTransformer3DModel
 
     from .pipeline import transformer_config
 
+    if s["checkpoint"]:
+        with open(os.path.join(s["checkpoint"], "transformer", "config.json")) as f:
+            config = json.load(f)
+    else:
+        config = transformer_config(s["preset"], s["variant"], s["layers"])
     with torch.device("meta"):
-        params = sum(p.numel() for p in LTX2VideoTransformer3DModel(
-            **transformer_config("ltx2", s["variant"], s["layers"])).parameters())
+        model = LTX2VideoTransformer3DModel.from_config(config)
+    params = sum(p.numel() for p in model.parameters())
+    c = model.config
     video = ((s["frames"] - 1) // 8 + 1) * (s["height"] // 32) * (s["width"] // 32)
     audio = round(s["frames"] / s["fps"] * 25)
+    attention = 4 * c.num_layers * (video**2 * c.num_attention_heads * c.attention_head_dim
+                                    + audio**2 * c.audio_num_attention_heads * c.audio_attention_head_dim)
     # a step is 4 samples' forwards: CFG's batch of 2, then the pipeline's STG and modality-isolation calls
-    flops = 2 * params * (video + audio) * 4 * (s["steps"] + 1) * len(s["modes"])
-    gib = params * torch.finfo(s["dtype"]).bits / 8 / 2**30
-    return (f"--preset ltx2 on a CPU: a {params / 1e9:.1f}B-parameter transformer ({gib:.0f} GiB in "
-            f"{s['dtype_name']}) over {video + audio} tokens, {s['steps'] + 1} steps in each of {len(s['modes'])} "
-            f"modes: about {flops / CPU_FLOPS / 3600:.0f} hours at {CPU_FLOPS / 1e9:.0f} GFLOP/s. Run it on a CUDA "
-            "GPU, or pass --yes to run it here anyway.")
+    seconds = (2 * params * (video + audio) + attention) * 4 * (s["steps"] + 1) * len(s["modes"]) / CPU_FLOPS
+    size = f"{params / 1e9:.1f}B" if params >= 1e8 else f"{params / 1e6:.1f}M"
+    weights = params * torch.finfo(s["dtype"]).bits / 8
+    weights = f"{weights / 2**30:.1f} GiB" if weights >= 2**30 else f"{weights / 2**20:.0f} MiB"
+    return seconds, (f"a {size}-parameter transformer ({weights} in {s['dtype_name']}) over "
+                     f"{video:,} video + {audio:,} audio tokens, {s['steps'] + 1} steps in each of "
+                     f"{len(s['modes'])} modes")
 
 
 # ---------------------------------------------------------------- one pipeline call, timed
@@ -554,6 +570,21 @@ def main(args) -> int:
         return 130
 
 
+def _check_shift(pipe, video_tokens: int) -> None:
+    """LTX2Pipeline shifts its timesteps by exp(mu), mu linear in the video tokens: past
+    about 2M tokens that overflows (OverflowError: math range error) before any step."""
+    from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift
+
+    c = pipe.scheduler.config
+    if not c.get("use_dynamic_shifting"):
+        return
+    mu = calculate_shift(video_tokens, c.get("base_image_seq_len", 1024), c.get("max_image_seq_len", 4096),
+                         c.get("base_shift", 0.95), c.get("max_shift", 2.05))
+    if mu > math.log(sys.float_info.max):
+        raise UsageError(f"{video_tokens:,} video tokens is more than LTX2Pipeline's timestep shift can take "
+                         "(exp(mu) overflows); use a smaller --height/--width/--frames")
+
+
 def _cpu_oom(exc: BaseException) -> bool:
     """torch's CPU allocator failing (a RuntimeError, where CUDA raises torch.OutOfMemoryError)."""
     return isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(exc)
@@ -596,6 +627,7 @@ def _main(args) -> int:
 
     pipe = _build(s)
     video_tokens, audio_tokens = token_counts(pipe, s["frames"], s["height"], s["width"], s["fps"])
+    _check_shift(pipe, video_tokens)
     t = pipe.transformer.config
     config = dict(
         preset=s["preset"], checkpoint=s["checkpoint"], variant="2.3" if is_ltx23(pipe.transformer) else "2.0",

@@ -243,9 +243,19 @@ def test_checkpoint_errors(layout, no_work, tmp_path, capsys):
 
 
 @pytest.mark.skipif(CUDA, reason="needs a machine without CUDA")
-def test_ltx2_preset_on_a_cpu_is_refused_with_an_estimate(no_work, tmp_path, capsys):
-    rc, out, err = run(["--preset", "ltx2"], capsys, tmp_path)
-    _assert_clean_error(rc, err, "--preset ltx2 on a CPU", "B-parameter transformer", "hours", "--yes")
+@pytest.mark.parametrize("argv, needle", [
+    (["--preset", "ltx2"], "a 3.4B-parameter transformer (12.8 GiB in fp32) over 6,144 video + 126 audio tokens"),
+    (["--height", "8192", "--width", "8192"], "131,072 video + 9 audio tokens"),
+])
+def test_long_cpu_runs_are_refused_with_an_estimate(argv, needle, no_work, tmp_path, capsys):
+    rc, out, err = run(argv, capsys, tmp_path)
+    _assert_clean_error(rc, err, "on a CPU this is", needle, "hours", "--yes")
+
+
+def test_more_tokens_than_the_scheduler_can_shift(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(run_cmd, "_run_mode", lambda *a: pytest.fail("a mode ran"))
+    rc, out, err = run(["--height", "100000", "--width", "100000", "--yes"], capsys, tmp_path)
+    _assert_clean_error(rc, err, "19,531,250 video tokens", "timestep shift", "smaller --height/--width/--frames")
 
 
 @pytest.mark.skipif(CUDA, reason="needs a machine without CUDA")
