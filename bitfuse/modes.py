@@ -26,7 +26,7 @@ model back exactly as it found it.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

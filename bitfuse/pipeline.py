@@ -69,8 +69,13 @@ def random_pipeline(preset: str = "tiny", variant: str = "2.0", layers: int | No
                     image: bool = False, device="cpu", dtype=torch.float32, seed: int = 0):
     """An `LTX2Pipeline` (`LTX2ImageToVideoPipeline` with `image=True`) of seeded random
     components, built on `device` in `dtype`."""
-    from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
-                           LTX2ImageToVideoPipeline, LTX2Pipeline)
+    from diffusers import (
+        AutoencoderKLLTX2Audio,
+        AutoencoderKLLTX2Video,
+        FlowMatchEulerDiscreteScheduler,
+        LTX2ImageToVideoPipeline,
+        LTX2Pipeline,
+    )
     from diffusers.pipelines.ltx2 import LTX2TextConnectors
     from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
 
@@ -112,20 +117,21 @@ def random_pipeline(preset: str = "tiny", variant: str = "2.0", layers: int | No
 
 
 def _connector_config(t: dict, head_dim: int) -> dict:
-    video, audio = t["num_attention_heads"] * t["attention_head_dim"], t["audio_num_attention_heads"] * t[
-        "audio_attention_head_dim"]
-    common = dict(text_proj_in_factor=TEXT_LAYERS, video_connector_num_layers=1, audio_connector_num_layers=1,
-                  video_connector_num_learnable_registers=None, audio_connector_num_learnable_registers=None,
-                  rope_type=t.get("rope_type", "interleaved"))
-    if t.get("use_prompt_embeddings", True):  # LTX-2.0: one projection to caption_channels; the model projects again
-        caption = t["caption_channels"]
-        return dict(common, caption_channels=caption, video_connector_num_attention_heads=caption // head_dim,
-                    video_connector_attention_head_dim=head_dim, audio_connector_num_attention_heads=caption // head_dim,
-                    audio_connector_attention_head_dim=head_dim)
-    # LTX-2.3: a projection per modality, to the transformer's own widths
-    return dict(common, caption_channels=t["caption_channels"], per_modality_projections=True,
-                video_hidden_dim=video, audio_hidden_dim=audio,
+    """LTX2TextConnectors whose outputs fit the transformer `t`: for LTX-2.0 one projection
+    to caption_channels (the model projects again); for LTX-2.3 one per modality, to the
+    transformer's own widths."""
+    if t.get("use_prompt_embeddings", True):
+        video = audio = t["caption_channels"]
+        per_modality = {}
+    else:
+        video = t["num_attention_heads"] * t["attention_head_dim"]
+        audio = t["audio_num_attention_heads"] * t["audio_attention_head_dim"]
+        per_modality = dict(per_modality_projections=True, video_hidden_dim=video, audio_hidden_dim=audio)
+    return dict(caption_channels=t["caption_channels"], text_proj_in_factor=TEXT_LAYERS,
+                rope_type=t.get("rope_type", "interleaved"), **per_modality,
+                video_connector_num_layers=1, video_connector_num_learnable_registers=None,
                 video_connector_num_attention_heads=video // head_dim, video_connector_attention_head_dim=head_dim,
+                audio_connector_num_layers=1, audio_connector_num_learnable_registers=None,
                 audio_connector_num_attention_heads=audio // head_dim, audio_connector_attention_head_dim=head_dim)
 
 

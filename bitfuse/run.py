@@ -88,7 +88,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"pixels, a multiple of 32 (tiny {tiny['height']}, ltx2 {ltx2['height']})")
     c.add_argument("--width", type=int, default=None,
                    help=f"pixels, a multiple of 32 (tiny {tiny['width']}, ltx2 {ltx2['width']})")
-    c.add_argument("--frames", type=int, default=None, help=f"video frames (tiny {tiny['frames']}, ltx2 {ltx2['frames']})")
+    c.add_argument("--frames", type=int, default=None,
+                   help=f"video frames (tiny {tiny['frames']}, ltx2 {ltx2['frames']})")
     c.add_argument("--fps", type=_finite, default=24.0, help="frame rate (default 24)")
     c.add_argument("--steps", type=int, default=8, help="denoising steps (default 8)")
     c.add_argument("--guidance-scale", type=_finite, default=3.0, help="video CFG scale (default 3.0, as LTX2Pipeline)")
@@ -105,7 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="folder for the videos, one <mode>.mp4 each (default ./bitfuse-run)")
     r.add_argument("--json", default=None, metavar="PATH", help="write the full report as JSON ('-': stdout)")
     r.add_argument("--plot", default=None, metavar="PATH", help="write a bar chart of per-step time (.png, .svg, .pdf)")
-    r.add_argument("--no-progress", action="store_true", help="no progress bars (none either when stderr is not a terminal)")
+    r.add_argument("--no-progress", action="store_true",
+                   help="no progress bars (there are none either when stderr is not a terminal)")
 
 
 # ---------------------------------------------------------------- validation
@@ -148,30 +150,9 @@ def _resolve(args) -> dict:
     if args.guidance_scale < 0 or args.audio_guidance_scale < 0:
         raise UsageError("guidance scales must not be negative")
 
-    cuda = torch.cuda.is_available()
-    try:
-        device = torch.device(args.device or ("cuda" if cuda else "cpu"))
-    except (RuntimeError, ValueError):
-        raise UsageError(f"unknown device {args.device!r}; use cuda, cuda:N or cpu") from None
-    if device.type == "cuda":
-        if not cuda:
-            raise UsageError("--device cuda, but no CUDA GPU is available here (torch.cuda.is_available() is False)")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise UsageError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
-    elif device.type != "cpu":
-        raise UsageError(f"unsupported device {str(device)!r}; use cuda, cuda:N or cpu")
+    device = _device(args.device)
     dtype_name = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
-
-    default_modes = "eager,lossless,high" + (",graphs" if device.type == "cuda" else "")
-    names = [m.strip() for m in (args.modes or default_modes).split(",") if m.strip()]
-    if not names:
-        raise UsageError(f"--modes is empty; choose from: {', '.join(_modes.MODES)}")
-    for m in names:
-        try:
-            _modes.check(m, device)
-        except (ValueError, _modes.ModeError) as exc:
-            raise UsageError(f"{exc}; drop it from --modes" if isinstance(exc, _modes.ModeError) else str(exc)) from None
-    mode_list = ["eager"] + [m for m in dict.fromkeys(names) if m != "eager"]
+    mode_list = _mode_list(args.modes, device)
 
     has_text_encoder = bool(index and index.get("text_encoder") not in (None, [None, None]))
     if args.prompt is not None and not has_text_encoder:
@@ -195,11 +176,44 @@ def _resolve(args) -> dict:
     return s
 
 
+def _device(arg: str | None) -> torch.device:
+    cuda = torch.cuda.is_available()
+    try:
+        device = torch.device(arg or ("cuda" if cuda else "cpu"))
+    except (RuntimeError, ValueError):
+        raise UsageError(f"unknown device {arg!r}; use cuda, cuda:N or cpu") from None
+    if device.type == "cuda":
+        if not cuda:
+            raise UsageError("--device cuda, but no CUDA GPU is available here (torch.cuda.is_available() is False)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
+    elif device.type != "cpu":
+        raise UsageError(f"unsupported device {str(device)!r}; use cuda, cuda:N or cpu")
+    return device
+
+
+def _mode_list(arg: str | None, device: torch.device) -> list[str]:
+    """The modes to run, eager (the reference) first."""
+    names = [m.strip() for m in (arg or "eager,lossless,high" + (",graphs" * (device.type == "cuda"))).split(",")]
+    names = [m for m in names if m]
+    if not names:
+        raise UsageError(f"--modes is empty; choose from: {', '.join(_modes.MODES)}")
+    for m in names:
+        try:
+            _modes.check(m, device)
+        except _modes.ModeError as exc:
+            raise UsageError(f"{exc}; drop it from --modes") from None
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    return ["eager"] + [m for m in dict.fromkeys(names) if m != "eager"]
+
+
 def _check_requirements() -> None:
     try:
         import diffusers
     except ImportError:
-        raise RunError("bitfuse run needs diffusers, which is not installed: pip install 'bitfuse[diffusers]'") from None
+        raise RunError("bitfuse run needs diffusers, which is not installed: "
+                       "pip install 'bitfuse[diffusers]'") from None
     if not hasattr(diffusers, "LTX2Pipeline"):
         raise RunError(f"bitfuse run needs diffusers 0.42 (LTX-2), found {diffusers.__version__}: "
                        "pip install 'bitfuse[diffusers]'")
@@ -453,9 +467,9 @@ def header(report: dict) -> str:
     task = f"image-to-video from {c['image']}" if c["image"] else "text-to-video"
     return "\n".join([
         f"bitfuse run: {what}, {_n(c['layers'], 'layer')}, {c['dtype']}, {report['device_name']}",
-        f"{task}: {c['frames']} frames of {c['width']}x{c['height']} at {c['fps']:g} fps -> {c['video_tokens']} video + "
-        f"{c['audio_tokens']} audio tokens, {prompt}; {_n(c['steps'], 'step')}, guidance {c['guidance_scale']:g} "
-        f"(audio {c['audio_guidance_scale']:g}), seed {c['seed']}",
+        f"{task}: {c['frames']} frames of {c['width']}x{c['height']} at {c['fps']:g} fps -> "
+        f"{c['video_tokens']} video + {c['audio_tokens']} audio tokens, {prompt}; {_n(c['steps'], 'step')}, "
+        f"guidance {c['guidance_scale']:g} (audio {c['audio_guidance_scale']:g}), seed {c['seed']}",
         "each mode: a 1-step warm-up call (first-sight checks, graph capture, compilation), then the timed call"
         + ("; times CUDA-synchronized" if c["cuda"] else ""),
     ])
@@ -498,7 +512,8 @@ def format_table(report: dict) -> str:
     widths = [max(len(row[i]) for row in rows + [head]) for i in range(len(head))]
 
     def fmt(row):
-        return "  ".join(v.rjust(w) if i in numeric else v.ljust(w) for i, (v, w) in enumerate(zip(row, widths))).rstrip()
+        cells = (v.rjust(w) if i in numeric else v.ljust(w) for i, (v, w) in enumerate(zip(row, widths)))
+        return "  ".join(cells).rstrip()
 
     return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(row) for row in rows])
 
@@ -548,28 +563,6 @@ def _strict(value):
 # ---------------------------------------------------------------- main
 
 
-def main(args) -> int:
-    try:
-        return _main(args)
-    except UsageError as exc:
-        print(f"bitfuse run: error: {exc}", file=sys.stderr)
-        return 2
-    except RunError as exc:
-        print(f"bitfuse run: error: {exc}", file=sys.stderr)
-        return 1
-    except Exception as exc:
-        cpu = _cpu_oom(exc)
-        if not (cpu or isinstance(exc, torch.OutOfMemoryError)):
-            raise
-        first = str(exc).splitlines()[0] if str(exc) else "out of memory"
-        print(f"bitfuse run: error: {'CPU' if cpu else 'CUDA'} out of memory ({first}). Try a smaller "
-              "--height/--width/--frames, fewer --layers or --text-tokens, or a smaller --preset.", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("bitfuse run: interrupted", file=sys.stderr)
-        return 130
-
-
 def _check_shift(pipe, video_tokens: int) -> None:
     """LTX2Pipeline shifts its timesteps by exp(mu), mu linear in the video tokens: past
     about 2M tokens that overflows (OverflowError: math range error) before any step."""
@@ -614,6 +607,28 @@ def _build(s: dict):
     return pipe
 
 
+def main(args) -> int:
+    try:
+        return _main(args)
+    except UsageError as exc:
+        print(f"bitfuse run: error: {exc}", file=sys.stderr)
+        return 2
+    except RunError as exc:
+        print(f"bitfuse run: error: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        cpu = _cpu_oom(exc)
+        if not (cpu or isinstance(exc, torch.OutOfMemoryError)):
+            raise
+        first = str(exc).splitlines()[0] if str(exc) else "out of memory"
+        print(f"bitfuse run: error: {'CPU' if cpu else 'CUDA'} out of memory ({first}). Try a smaller "
+              "--height/--width/--frames, fewer --layers or --text-tokens, or a smaller --preset.", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("bitfuse run: interrupted", file=sys.stderr)
+        return 130
+
+
 def _main(args) -> int:
     s = _resolve(args)
     from .pipeline import is_ltx23, token_counts, write_mp4
@@ -632,7 +647,8 @@ def _main(args) -> int:
     config = dict(
         preset=s["preset"], checkpoint=s["checkpoint"], variant="2.3" if is_ltx23(pipe.transformer) else "2.0",
         layers=int(t.num_layers), parameters=sum(p.numel() for p in pipe.transformer.parameters()),
-        text_encoder=pipe.text_encoder is not None, text_tokens=None if pipe.text_encoder is not None else s["text_tokens"],
+        text_encoder=pipe.text_encoder is not None,
+        text_tokens=None if pipe.text_encoder is not None else s["text_tokens"],
         image=s["image"], height=s["height"], width=s["width"], frames=s["frames"], fps=s["fps"],
         video_tokens=video_tokens, audio_tokens=audio_tokens, steps=s["steps"], guidance_scale=s["guidance_scale"],
         audio_guidance_scale=s["audio_guidance_scale"], seed=s["seed"], dtype=s["dtype_name"], device=str(device),
