@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
-import warnings
 
 # (name, module, one-line help)
 COMMANDS = [
@@ -51,15 +51,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _environment_problem() -> str | None:
-    """What is wrong with BITFUSE_DISABLE / BITFUSE_VERIFY, read as bitfuse.policy reads them."""
-    from . import policy
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # the policy warns about (or rejects) a value it does not know
-            policy.reload_env()
-    except (ValueError, Warning) as exc:
-        return str(exc).removeprefix("bitfuse: ")
+    """A BITFUSE_VERIFY that bitfuse.policy does not know: a one-line error here, rather
+    than a traceback or a warning that the run goes on without the checks it asked for."""
+    verify = os.environ.get("BITFUSE_VERIFY", "")
+    if verify.strip().lower() not in ("", "once", "always"):
+        return f"BITFUSE_VERIFY={verify!r}: use 'once' (the default) or 'always'"
     return None
 
 

@@ -99,7 +99,7 @@ def _compile_repeated_blocks(model: torch.nn.Module) -> Callable[[], None]:
     missing = object()
     saved = [(b, b.__dict__.get("_compiled_call_impl", missing)) for b in blocks]
     for b in blocks:
-        b.compile(fullgraph=True)
+        b.compile()  # with compile_repeated_blocks()'s defaults: graph breaks allowed
 
     def undo():
         for b, previous in saved:

@@ -85,11 +85,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--prompt", default=None, help="text prompt (needs a --checkpoint with a text encoder)")
     c.add_argument("--image", default=None, metavar="PATH", help="image-to-video from this image")
     c.add_argument("--height", type=int, default=None,
-                   help=f"pixels, a multiple of 32 (tiny {tiny['height']}, ltx2 {ltx2['height']})")
+                   help=f"pixels, a multiple of 32 (tiny {tiny['height']}, ltx2 and --checkpoint {ltx2['height']})")
     c.add_argument("--width", type=int, default=None,
-                   help=f"pixels, a multiple of 32 (tiny {tiny['width']}, ltx2 {ltx2['width']})")
+                   help=f"pixels, a multiple of 32 (tiny {tiny['width']}, ltx2 and --checkpoint {ltx2['width']})")
     c.add_argument("--frames", type=int, default=None,
-                   help=f"video frames (tiny {tiny['frames']}, ltx2 {ltx2['frames']})")
+                   help=f"video frames (tiny {tiny['frames']}, ltx2 and --checkpoint {ltx2['frames']})")
     c.add_argument("--fps", type=_finite, default=24.0, help="frame rate (default 24)")
     c.add_argument("--steps", type=int, default=8, help="denoising steps (default 8)")
     c.add_argument("--guidance-scale", type=_finite, default=3.0, help="video CFG scale (default 3.0, as LTX2Pipeline)")
