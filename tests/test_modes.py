@@ -81,6 +81,7 @@ def test_gpu_modes_refused_on_a_cpu_model(model):
             modes.enter(mode, model)
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.compile's first import: torch.jit's notices
 def test_compile_undo_is_exact(model):
     """Regional compile wraps each repeated block (lazily: nothing compiles until a call);
     undo leaves every block as it was, a block compiled before included."""
