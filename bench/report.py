@@ -1,7 +1,7 @@
-"""Write the README's results section from bench/results/*.json (never typed by hand).
+"""Write the results block of bench/README.md from bench/results/*.json (never typed by hand).
 
     python3 bench/report.py            # rewrites the block between the results markers
-    python3 bench/report.py --check    # exit 1 if the README is out of date
+    python3 bench/report.py --check    # exit 1 if bench/README.md is out of date
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from timing import paired_rounds  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
-README = os.path.join(ROOT, "README.md")
+README = os.path.join(ROOT, "bench", "README.md")
 START, END = "<!-- results:start (bench/report.py writes this) -->", "<!-- results:end -->"
 
 OPS_VARIANTS = ("eager", "torch.compile", "compile+emulate", "bitfuse lossless", "bitfuse high")
@@ -242,7 +242,8 @@ def render():
             out += [f"(could not read {os.path.relpath(path, ROOT)}: {exc})", ""]
     pngs = sorted(glob.glob(os.path.join(RESULTS, "*.png")))
     if pngs:
-        out.append("Plots: " + ", ".join(f"[{os.path.basename(p)}]({os.path.relpath(p, ROOT)})" for p in pngs))
+        out.append("Plots: " + ", ".join(f"[{os.path.basename(p)}]({os.path.relpath(p, os.path.dirname(README))})"
+                                         for p in pngs))
     if not out:
         out = ["No results committed yet: run the benchmarks on a GPU (see above)."]
     return "\n".join(out).rstrip() + "\n"
@@ -254,7 +255,7 @@ def main():
     args = ap.parse_args()
     text = open(README).read()
     if START not in text or END not in text:
-        sys.exit("README.md lacks the results markers")
+        sys.exit(f"{os.path.relpath(README, ROOT)} lacks the results markers")
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
     new = head + START + "\n" + render() + END + tail

@@ -1,4 +1,5 @@
-"""The `bitfuse` command: `bitfuse run` (a timed, bit-checked denoising loop) and `bitfuse verify`.
+"""The `bitfuse` command: `bitfuse run` (the LTX-2 pipeline in each mode, timed and
+checked bit for bit) and `bitfuse verify`.
 
 Each subcommand lives in a module exposing `add_arguments(parser)` and
 `main(args) -> int`; add one by adding a row to COMMANDS.
@@ -8,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # (name, module, one-line help)
 COMMANDS = [
-    ("run", "bitfuse.denoise", "run an LTX-2 denoising loop in each mode, time it, check the latents against eager"),
+    ("run", "bitfuse.run", "run the LTX-2 pipeline in each mode, time it, check its video and audio bit for bit"),
     ("verify", "bitfuse.verify", "check which fast paths are active here and that they agree with eager"),
 ]
 
@@ -41,7 +43,20 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_main", None) is None:
         parser.print_help(sys.stderr)
         return 2
+    problem = _environment_problem()
+    if problem:
+        print(f"bitfuse: error: {problem}", file=sys.stderr)
+        return 2
     return int(args._main(args) or 0)
+
+
+def _environment_problem() -> str | None:
+    """A BITFUSE_VERIFY that bitfuse.policy does not know: a one-line error here, rather
+    than a traceback or a warning that the run goes on without the checks it asked for."""
+    verify = os.environ.get("BITFUSE_VERIFY", "")
+    if verify.strip().lower() not in ("", "once", "always"):
+        return f"BITFUSE_VERIFY={verify!r}: use 'once' (the default) or 'always'"
+    return None
 
 
 if __name__ == "__main__":
