@@ -20,7 +20,7 @@ diffusers = pytest.importorskip("diffusers")
 
 import bitfuse  # noqa: E402
 from bitfuse import policy, sites  # noqa: E402
-from bitfuse.ops._pointwise import value  # noqa: E402
+from bitfuse.ops._params import value  # noqa: E402
 from bitfuse.models import AlreadyAcceleratedError, UnsupportedModelError, UnsupportedVersionError  # noqa: E402
 from bitfuse.models import _install, ltx2  # noqa: E402
 from bitfuse.models.ltx2_configs import build_model, make_inputs, tiny_config  # noqa: E402
