@@ -223,6 +223,12 @@ def _verify(key, spec: OpSpec, tier: str, plan, args: tuple, fallback):
             return out
         _record(key, "mismatch", why)
         return ref if fallback is None else fallback(*args)
+def state(spec: OpSpec, tier: str, plan) -> bool | None:
+    """The gate's state for a call's signature: True (verified: the kernel runs),
+    False (disabled: eager runs), None (not seen yet)."""
+    return _state.get((spec.name, tier, plan.key))
+
+
 def verdicts() -> list[Verdict]:
     """Every verdict reached in this process, in the order they were reached."""
     with _lock:

@@ -130,9 +130,30 @@ def format_table(report: dict) -> str:
 def add_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--quick", action="store_true", help="fewer shapes per path")
+    parser.add_argument("--fuzz", type=int, default=0, metavar="N",
+                        help="instead: N seeded random cases through the gate, each compared with eager (bitfuse.fuzz)")
+    parser.add_argument("--seed", type=int, default=0, help="the fuzz run's seed (default 0)")
+    parser.add_argument("--workers", type=int, default=1, help="fuzz processes on the GPU (default 1)")
+
+
+def _fuzz(args) -> int:
+    from . import fuzz
+
+    if not torch.cuda.is_available() or not HAS_TRITON:
+        print("bitfuse verify: no CUDA device with Triton here: every site runs eager PyTorch; nothing to fuzz.")
+        return 0
+    tally = fuzz.run_parallel(args.fuzz, seed=args.seed, workers=args.workers)
+    for line in tally.silent:
+        print("SILENT DIFFERENCE " + line)
+    line = tally.line() + f" (seed {args.seed})"
+    print(json.dumps({"summary": line, "cases": tally.cases, "signatures": len(tally.signatures), "fast": tally.fast,
+                      "fallbacks": tally.fallbacks, "silent": tally.silent}, indent=1) if args.json else line)
+    return 1 if tally.silent else 0
 
 
 def main(args) -> int:
+    if args.fuzz:
+        return _fuzz(args)
     cuda = torch.cuda.is_available()
 
     def progress(i, n, row):
