@@ -135,7 +135,8 @@ def run(n: int, seed: int = 0, device: str = "cuda", progress: bool = False, ind
 
 def _worker(args):
     n, seed, device, shard, shards = args
-    torch.cuda.set_device(torch.device(device))
+    if torch.device(device).index is not None:
+        torch.cuda.set_device(torch.device(device))
     # a shard takes whole (op, dtype, width) groups, so workers compile different kernels
     indices = [i for i in range(n) if zlib.crc32(repr(_group(draw_case(seed, i, device))).encode()) % shards == shard]
     tally = run(n, seed, device, indices=indices)
