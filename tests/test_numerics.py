@@ -49,12 +49,16 @@ def test_ulps_at_the_terms_scale():
 
 def test_high_contract():
     eager = torch.tensor([1.0, 2.0, math.nan, math.inf], dtype=torch.bfloat16)
-    ref64 = torch.tensor([1.0, 2.0, 0.0, 0.0], dtype=torch.float64)
+    ref64 = torch.tensor([1.0, 2.0, math.nan, math.inf], dtype=torch.float64)
     terms = ref64.abs()
     assert high_contract(eager.clone(), eager, ref64, terms) is None
     off = eager.clone()
-    off[2] = 1.0  # a number where eager gives NaN: not eager's result
+    off[2] = 1.0  # a number where the exact value is NaN
     assert "NaN or infinite" in high_contract(off, eager, ref64, terms)
+    # where eager overflowed on a finite exact value, an accurate result is better, not wrong
+    over = torch.tensor([1.0, 3.0e38], dtype=torch.bfloat16) * 2  # eager: 6e38 overflows bf16 to inf
+    exact64 = torch.tensor([2.0, 6.0e38 / 4], dtype=torch.float64)
+    assert high_contract(exact64.to(torch.bfloat16), over, exact64, exact64.abs()) is None
     worse = eager.clone()
     worse[0] = 1.0078125  # one ULP: within the bound, but eager was exact
     assert "mean error" in high_contract(worse, eager, ref64, terms)

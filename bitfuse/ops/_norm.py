@@ -36,6 +36,19 @@ def program_rows(S, R: tl.constexpr):
 
 
 @jit
+def overflow_scale(x):
+    """Per row of the fp32 tile x [R, BLOCK]: 1.0, or for a row whose largest |x| is
+    2**48 or more (its sum of squares could overflow fp32, as eager's does) the power
+    of two that brings it to about 2**32. The one-pass kernels reduce x * s and undo
+    s exactly (powers of two), so the high tier stays accurate on such rows; on every
+    other row s = 1 and nothing changes."""
+    amax = tl.max(tl.abs(x), axis=1)
+    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent
+    big = (e >= 127 + 48) & (e < 255)
+    return tl.where(big, ((127 + 32 + 127 - e) << 23).to(tl.float32, bitcast=True), 1.0)
+
+
+@jit
 def modulate_once(n, scale, shift, dtype: tl.constexpr):
     """n * (1 + scale) + shift in fp32, rounded once to `dtype`: the high tier's tail.
     The kernels launch with FMA contraction off, so the fp32 product and sum are

@@ -77,6 +77,7 @@ from ._norm import (
     modulate_once,
     modulated64,
     modulated_terms64,
+    overflow_scale,
     program_rows,
     rsqrt,
 )
@@ -303,9 +304,11 @@ def _layer_norm_modulate_high_kernel(
         x_ptr + ((b * x_sb + s * x_ss)[:, None] + cols[None, :]), mask=m, other=0.0,
         eviction_policy="evict_first",
     ).to(tl.float32)
-    mean = tl.sum(x, axis=1) * inv_d
-    xc = tl.where(m, x - mean[:, None], 0.0)
-    rstd = tl.math.rsqrt(tl.sum(xc * xc, axis=1) * inv_d + eps)
+    sc = overflow_scale(x)
+    xs = x * sc[:, None]  # (x - mean) * rstd is invariant under the power-of-two scale
+    mean = tl.sum(xs, axis=1) * inv_d
+    xc = tl.where(m, xs - mean[:, None], 0.0)
+    rstd = tl.math.rsqrt(tl.sum(xc * xc, axis=1) * inv_d + eps * sc * sc)
     scale = tl.load(scale_ptr + ((b * c_sb + s * c_ss)[:, None] + cols[None, :] * c_sd), mask=m, other=0.0)
     shift = tl.load(shift_ptr + ((b * h_sb + s * h_ss)[:, None] + cols[None, :] * h_sd), mask=m, other=0.0)
     y = modulate_once(xc * rstd[:, None], scale, shift, out_ptr.dtype.element_ty)

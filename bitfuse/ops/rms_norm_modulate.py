@@ -112,6 +112,7 @@ from ._norm import (
     modulate_once,
     modulated64,
     modulated_terms64,
+    overflow_scale,
     program_rows,
     rms_norm64,
     rsqrt,
@@ -286,7 +287,9 @@ def _rms_norm_modulate_high_kernel(
         x_ptr + ((b * x_sb + s * x_ss)[:, None] + cols[None, :]), mask=m, other=0.0,
         eviction_policy="evict_first",
     ).to(tl.float32)
-    r = tl.math.rsqrt(tl.sum(x * x, axis=1) * inv_d + eps)
+    sc = overflow_scale(x)
+    xs = x * sc[:, None]
+    r = tl.math.rsqrt(tl.sum(xs * xs, axis=1) * inv_d + eps * sc * sc) * sc  # 1 / rms(x), exactly rescaled
     dtype = out_ptr.dtype.element_ty
     col_ok = cols < D
     scale = load_param(scale_ptr, (b * c_sb + s * c_ss)[:, None] + cols[None, :] * c_sd, m, scale_table_ptr,
