@@ -6,7 +6,14 @@
     handle.restore()
 """
 
-from .policy import FallbackWarning, Verdict, quality, requested_quality, reset_verdicts, verdicts
+from .policy import (
+    FallbackWarning,
+    Verdict,
+    quality,
+    requested_quality,
+    reset_verdicts,
+    verdicts,
+)
 from .sites import MountError, mark_site, mount, unmount
 
 __version__ = "0.1.0"

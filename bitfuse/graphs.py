@@ -66,7 +66,10 @@ from typing import Any, Callable
 
 import torch
 from torch.utils import _pytree
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode_stack,
+)
 
 from . import policy
 

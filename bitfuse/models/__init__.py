@@ -24,7 +24,12 @@ from types import ModuleType
 
 import torch
 
-from ._install import AlreadyAcceleratedError, Handle, UnsupportedModelError, UnsupportedVersionError
+from ._install import (
+    AlreadyAcceleratedError,
+    Handle,
+    UnsupportedModelError,
+    UnsupportedVersionError,
+)
 
 __all__ = [
     "accelerate",

@@ -47,7 +47,10 @@ import inspect
 from typing import Any
 
 import torch
-from diffusers.models.embeddings import PixArtAlphaCombinedTimestepSizeEmbeddings, Timesteps
+from diffusers.models.embeddings import (
+    PixArtAlphaCombinedTimestepSizeEmbeddings,
+    Timesteps,
+)
 from diffusers.models.transformers import transformer_ltx2 as _ltx2_module
 from diffusers.models.transformers.transformer_ltx2 import (
     AudioVisualModelOutput,

@@ -20,8 +20,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn.modules.module as _module_hooks
-from diffusers.models.embeddings import PixArtAlphaCombinedTimestepSizeEmbeddings, Timesteps
-from diffusers.models.transformers.transformer_ltx2 import LTX2AdaLayerNormSingle, LTX2AudioVideoRotaryPosEmbed
+from diffusers.models.embeddings import (
+    PixArtAlphaCombinedTimestepSizeEmbeddings,
+    Timesteps,
+)
+from diffusers.models.transformers.transformer_ltx2 import (
+    LTX2AdaLayerNormSingle,
+    LTX2AudioVideoRotaryPosEmbed,
+)
 
 from .. import policy
 

@@ -49,6 +49,16 @@ def needs_int64(*extents) -> bool:
     return sum(abs(stride) * (size - 1) for size, stride in extents) >= 2**31 - 1
 
 
+def register_op(name: str, fn, fake):
+    """`fn` (type-annotated, tensors in and out) as the custom op `torch.ops.bitfuse.<name>`,
+    `fake` its shape function for tracing, and a backward that says there is none. The
+    op serves torch.compile graphs and capture; eager callers launch directly (this
+    boundary costs tens of microseconds a call)."""
+    op = torch.library.custom_op(f"bitfuse::{name}", fn, mutates_args=())
+    op.register_fake(fake)
+    return inference_only(op)
+
+
 def inference_only(op):
     """Register a backward for the custom op `op` that says it has none (the kernels
     are for inference; sites take eager PyTorch whenever autograd records)."""

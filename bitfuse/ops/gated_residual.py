@@ -25,9 +25,9 @@ from ._launch import (
     GeometryCache,
     Recipe,
     cdiv,
-    inference_only,
     jit,
     needs_int64,
+    register_op,
     tl,
 )
 from ._params import (
@@ -179,23 +179,6 @@ def gated_residual(x, y, gate) -> torch.Tensor:
     return launch_gated_residual(plan)
 
 
-# ---------------------------------------------------------------- torch.library
-
-
-@torch.library.custom_op("bitfuse::gated_residual", mutates_args=())
-def gated_residual_op(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """Opaque op for torch.compile graphs and capture (eager callers launch directly). Inference only."""
-    return gated_residual(x, y, gate)
-
-
-@gated_residual_op.register_fake
-def _(x, y, gate):
-    return gated_residual_reference(x, y, gate)
-
-
-inference_only(gated_residual_op)
-
-
 # ---------------------------------------------------------------- reference
 
 
@@ -230,3 +213,13 @@ SPEC = OpSpec(
     make_args=_make_args,
     layouts=cases.PARAM_LAYOUTS,
 )
+
+
+# ---------------------------------------------------------------- torch.library
+
+
+def _gated_residual_op(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return gated_residual(x, y, gate)
+
+
+gated_residual_op = register_op("gated_residual", _gated_residual_op, gated_residual_reference)

@@ -62,9 +62,9 @@ from ._launch import (
     INTERPRET,
     FastLaunch,
     cdiv,
-    inference_only,
     jit,
     next_pow2,
+    register_op,
     row_kernel,
     tl,
 )
@@ -407,24 +407,6 @@ def layer_norm_modulate(x, scale, shift, eps: float, *, tier: str = "lossless") 
     return launch_layer_norm_modulate(plan)
 
 
-# ---------------------------------------------------------------- torch.library
-
-
-@torch.library.custom_op("bitfuse::layer_norm_modulate", mutates_args=())
-def layer_norm_modulate_op(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> torch.Tensor:
-    """Opaque op for torch.compile graphs and capture (lossless; eager callers
-    launch directly: this boundary costs tens of microseconds a call). Inference only."""
-    return layer_norm_modulate(x, scale, shift, eps)
-
-
-@layer_norm_modulate_op.register_fake
-def _(x, scale, shift, eps):
-    return layer_norm_modulate_reference(x, scale, shift, eps)
-
-
-inference_only(layer_norm_modulate_op)
-
-
 # ---------------------------------------------------------------- reference
 
 
@@ -459,3 +441,13 @@ SPEC = OpSpec(
     make_args=_make_args,
     layouts=tuple(layout for layout in cases.PARAM_LAYOUTS if not layout.startswith("folded")),
 )
+
+
+# ---------------------------------------------------------------- torch.library
+
+
+def _layer_norm_modulate_op(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> torch.Tensor:
+    return layer_norm_modulate(x, scale, shift, eps)
+
+
+layer_norm_modulate_op = register_op("layer_norm_modulate", _layer_norm_modulate_op, layer_norm_modulate_reference)

@@ -30,9 +30,9 @@ from ._launch import (
     GeometryCache,
     Recipe,
     cdiv,
-    inference_only,
     jit,
     needs_int64,
+    register_op,
     tl,
 )
 from ._params import (
@@ -190,24 +190,6 @@ def modulate(x, scale, shift) -> torch.Tensor:
     return launch_modulate(plan)
 
 
-# ---------------------------------------------------------------- torch.library
-
-
-@torch.library.custom_op("bitfuse::modulate", mutates_args=())
-def modulate_op(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """Opaque op for torch.compile graphs and capture (eager callers launch directly:
-    this boundary costs tens of microseconds a call). Inference only."""
-    return modulate(x, scale, shift)
-
-
-@modulate_op.register_fake
-def _(x, scale, shift):
-    return modulate_reference(x, scale, shift)
-
-
-inference_only(modulate_op)
-
-
 # ---------------------------------------------------------------- reference
 
 
@@ -242,3 +224,13 @@ SPEC = OpSpec(
     make_args=_make_args,
     layouts=cases.PARAM_LAYOUTS,
 )
+
+
+# ---------------------------------------------------------------- torch.library
+
+
+def _modulate_op(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    return modulate(x, scale, shift)
+
+
+modulate_op = register_op("modulate", _modulate_op, modulate_reference)

@@ -99,8 +99,8 @@ from ._launch import (
     INTERPRET,
     FastLaunch,
     cdiv,
-    inference_only,
     next_pow2,
+    register_op,
     row_kernel,
     tl,
 )
@@ -468,26 +468,6 @@ def rms_norm_modulate(x, scale, shift, eps: float, reference: str, *, tier: str 
     return launch_rms_norm_modulate(plan)
 
 
-# ---------------------------------------------------------------- torch.library
-
-
-@torch.library.custom_op("bitfuse::rms_norm_modulate", mutates_args=())
-def rms_norm_modulate_op(
-    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float, reference: str
-) -> torch.Tensor:
-    """Opaque op for torch.compile graphs and capture (lossless; eager callers launch
-    directly: this boundary costs tens of microseconds a call). Inference only."""
-    return rms_norm_modulate(x, scale, shift, eps, reference)
-
-
-@rms_norm_modulate_op.register_fake
-def _(x, scale, shift, eps, reference):
-    return rms_norm_modulate_reference(x, scale, shift, eps, reference)
-
-
-inference_only(rms_norm_modulate_op)
-
-
 # ---------------------------------------------------------------- reference
 
 
@@ -543,3 +523,15 @@ RMS_NORM_SPEC = OpSpec(
     make_args=lambda case: (cases.activation(case, case.generator()), 1e-6, "diffusers"),
     layouts=("none",),
 )
+
+
+# ---------------------------------------------------------------- torch.library
+
+
+def _rms_norm_modulate_op(
+    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float, reference: str
+) -> torch.Tensor:
+    return rms_norm_modulate(x, scale, shift, eps, reference)
+
+
+rms_norm_modulate_op = register_op("rms_norm_modulate", _rms_norm_modulate_op, rms_norm_modulate_reference)

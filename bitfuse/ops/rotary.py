@@ -37,10 +37,10 @@ from ._launch import (
     FastLaunch,
     GeometryCache,
     cdiv,
-    inference_only,
     jit,
     needs_int64,
     next_pow2,
+    register_op,
     tl,
 )
 from ._params import common_device_dtype
@@ -348,23 +348,6 @@ def rotary(x, freqs, rope_type: str = "interleaved", y=None):
     return launch_rotary(plan)
 
 
-# ---------------------------------------------------------------- torch.library
-
-
-@torch.library.custom_op("bitfuse::rotary", mutates_args=())
-def rotary_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_type: str) -> torch.Tensor:
-    """Opaque op for torch.compile graphs and capture (eager callers launch directly). Inference only."""
-    return rotary(x, (cos, sin), rope_type)
-
-
-@rotary_op.register_fake
-def _(x, cos, sin, rope_type):
-    return rotary_reference(x, (cos, sin), rope_type)
-
-
-inference_only(rotary_op)
-
-
 # ---------------------------------------------------------------- reference
 
 
@@ -445,3 +428,13 @@ SPECS = {
     )
     for rope_type in ROPE_TYPES
 }
+
+
+# ---------------------------------------------------------------- torch.library
+
+
+def _rotary_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_type: str) -> torch.Tensor:
+    return rotary(x, (cos, sin), rope_type)
+
+
+rotary_op = register_op("rotary", _rotary_op, lambda x, cos, sin, rope_type: rotary_reference(x, (cos, sin), rope_type))
