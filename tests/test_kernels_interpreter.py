@@ -15,7 +15,13 @@ from bitfuse.ops import SPECS, _params, cases
 from bitfuse.ops import gated_residual as G
 from bitfuse.ops import modulate as M
 from bitfuse.ops._launch import HAS_TRITON, needs_int64
-from bitfuse.ops._params import Folded, broadcast_strides, launch_shape, layout_class, table_of
+from bitfuse.ops._params import (
+    Folded,
+    broadcast_strides,
+    launch_shape,
+    layout_class,
+    table_of,
+)
 
 pytestmark = pytest.mark.skipif(
     not HAS_TRITON or os.environ.get("TRITON_INTERPRET") != "1", reason="needs triton's interpreter (CPU runs)"
@@ -73,13 +79,13 @@ def test_strided_operands_and_2d_x():
     shift = torch.randn(2, 1, 100, generator=g)
     y = torch.randn(9, 2, 100, generator=g).transpose(0, 1)  # batch-major view of a seq-major tensor
     out = M.launch_modulate(modulate_plan(x, scale, shift), config=(2, 32, 4))
-    assert torch.equal(out, x * (1 + scale) + shift)
+    assert same_bits(out, x * (1 + scale) + shift)
     out = G.launch_gated_residual(gated_plan(x, y, scale), config=(2, 32, 4))
-    assert torch.equal(out, x + y * scale)
+    assert same_bits(out, x + y * scale)
     x2 = torch.randn(11, 100, generator=g)
     s2 = torch.randn(11, 100, generator=g)
     h2 = torch.randn(1, 100, generator=g)
-    assert torch.equal(M.launch_modulate(modulate_plan(x2, s2, h2), config=(4, 32, 4)), x2 * (1 + s2) + h2)
+    assert same_bits(M.launch_modulate(modulate_plan(x2, s2, h2), config=(4, 32, 4)), x2 * (1 + s2) + h2)
 
 
 def test_broadcast_strides_and_layout_classes():
@@ -136,13 +142,13 @@ def test_folded_parameters_equal_the_materialised_sum(T):
         plan = M.ModulatePlan(x, c, h, *M._geometry_of(x, c, h, ct, ht), ct, ht)
         assert plan.key[2].endswith("+table")
         out = M.launch_modulate(plan, out=torch.full_like(x, float("nan")), config=config)
-        assert torch.equal(out, x * (1 + eager[1]) + eager[0])
+        assert same_bits(out, x * (1 + eager[1]) + eager[0])
         plan = M.ModulatePlan(x, c, eager[0], *M._geometry_of(x, c, eager[0], ct), ct, None)
-        assert torch.equal(M.launch_modulate(plan, config=config), x * (1 + eager[1]) + eager[0])
+        assert same_bits(M.launch_modulate(plan, config=config), x * (1 + eager[1]) + eager[0])
         gg, gt, _ = table_of(gate, x)
         plan = G.GatedResidualPlan(x, y, gg, *G._geometry_of(x, y, gg, gt), gt)
         out = G.launch_gated_residual(plan, out=torch.full_like(x, float("nan")), config=config)
-        assert torch.equal(out, x + y * eager[2])
+        assert same_bits(out, x + y * eager[2])
 
 
 def test_folded_guard():
@@ -151,7 +157,7 @@ def test_folded_guard():
     assert "eager promotes" in table_of(Folded(torch.randn(8).double(), torch.randn(2, 1, 8)), x)[2]
     f = Folded(torch.randn(8), torch.randn(2, 1, 8))
     assert f.shape == (2, 1, 8) and f.squeeze(2) is f and f.squeeze(1).shape == (2, 8)
-    assert torch.equal(f.value(), f.table + f.temb)
+    assert same_bits(f.value(), f.table + f.temb)
 
 
 @pytest.mark.parametrize("name", ["modulate", "gated_residual", "rotary[interleaved]", "rotary[split]"])

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from bitfuse.numerics import same_bits
 from bitfuse.ops import _params as params_module
 from bitfuse.ops import layer_norm_modulate as LN
 from bitfuse.ops import rms_norm_modulate as RMS
@@ -37,9 +38,9 @@ def test_cpu_tensors_take_the_reference():
     assert RMS.plan_rms_norm_modulate(x, c, h, EPS, "diffusers") == "CPU tensor"
     assert LN.plan_layer_norm_modulate(x, c, h, EPS) == "CPU tensor"
     out = RMS.rms_norm_modulate(x, c, h, EPS, "aten")
-    assert torch.equal(out, RMS.rms_norm_modulate_reference(x, c, h, EPS, "aten"))
+    assert same_bits(out, RMS.rms_norm_modulate_reference(x, c, h, EPS, "aten"))
     out = LN.layer_norm_modulate(x, c, h, EPS)
-    assert torch.equal(out, LN.layer_norm_modulate_reference(x, c, h, EPS))
+    assert same_bits(out, LN.layer_norm_modulate_reference(x, c, h, EPS))
 
 
 @contextlib.contextmanager
@@ -282,8 +283,8 @@ def test_reduction_order_matches_the_emulation(kind, B, S, D):
         expect, m2 = emulate_layer_norm_mean(x2d)
         # rstd from the emulated m2, with the interpreter's rsqrt (numpy's 1 / sqrt)
         var = torch.div(m2, torch.tensor(float(D))) + torch.tensor(EPS, dtype=torch.float32)
-        assert torch.equal(stats[:, 1], torch.from_numpy(1 / np.sqrt(var.numpy())))
-    assert torch.equal(stats[:, 0], expect)
+        assert same_bits(stats[:, 1], torch.from_numpy(1 / np.sqrt(var.numpy())))
+    assert same_bits(stats[:, 0], expect)
 
 
 @interpreter
@@ -292,9 +293,9 @@ def test_the_emulations_tell_the_orders_apart():
     would notice a kernel that summed in another order."""
     g = torch.Generator().manual_seed(0)
     x2d = _rows(1, 20, 1024, g, bf16_values=True).reshape(-1, 1024)
-    assert not torch.equal(emulate_diffusers_mean(x2d, False), emulate_diffusers_mean(x2d, True))
-    assert not torch.equal(emulate_diffusers_mean(x2d), x2d.pow(2).sum(-1) / 1024)
-    assert not torch.equal(emulate_aten_sigma2(x2d), emulate_diffusers_mean(x2d))
+    assert not same_bits(emulate_diffusers_mean(x2d, False), emulate_diffusers_mean(x2d, True))
+    assert not same_bits(emulate_diffusers_mean(x2d), x2d.pow(2).sum(-1) / 1024)
+    assert not same_bits(emulate_aten_sigma2(x2d), emulate_diffusers_mean(x2d))
 
 
 @interpreter
@@ -326,7 +327,7 @@ def test_second_pass_variants_agree(kind):
     lanes_warps = 4 if kind != "diffusers" else 1
     base = _launch(kind, x, c, h, True)
     for cfg in [(1, lanes_warps, 1), (2, 2 * lanes_warps, 0), (4, 4, 2), (1, 4, 2), (8, 4, 1)]:
-        assert torch.equal(_launch(kind, x, c, h, True, config=cfg), base), cfg
+        assert same_bits(_launch(kind, x, c, h, True, config=cfg), base), cfg
     xn = torch.randn(B, S, D, generator=g)  # well-conditioned rows for the one-pass kernel
     expect = _reference(kind, xn, c, h)
     for cfg in [(1, 4), (2, 8), (4, 4)]:
@@ -395,7 +396,7 @@ def test_norm_alone_is_the_fused_kernels_n(kind):
     assert not plan.modulate and plan.key[2:] == (kind, "D=256", f"lanes={plan.lanes}")
     n = RMS.launch_rms_norm_modulate(plan)
     zeros = torch.zeros(256)
-    assert torch.equal(n, _launch(kind, x, zeros, zeros, True))
+    assert same_bits(n, _launch(kind, x, zeros, zeros, True))
     torch.testing.assert_close(n, RMS.rms_norm_reference(x, EPS, kind), rtol=2e-5, atol=2e-5)
 
 
@@ -416,7 +417,7 @@ def test_folded_parameters_in_both_kernels(kind, T):
         assert not isinstance(plan, str) and "+table" in plan.key[2], plan
         eager = _plan(kind, x, scale.value(), shift.value(), exact)
         for config in ((None, (2, 2, 1), (1, 4, 0)) if exact else (None,)):
-            assert torch.equal(RMS.launch_rms_norm_modulate(plan, config=config),
+            assert same_bits(RMS.launch_rms_norm_modulate(plan, config=config),
                                RMS.launch_rms_norm_modulate(eager, config=config))
 
 

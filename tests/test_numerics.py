@@ -4,7 +4,15 @@ import math
 
 import torch
 
-from bitfuse.numerics import differing, exp2i, high_contract, same_bits, ulp_distance, ulp_errors, ulp_of
+from bitfuse.numerics import (
+    differing,
+    exp2i,
+    high_contract,
+    same_bits,
+    ulp_distance,
+    ulp_errors,
+    ulp_of,
+)
 
 
 def test_exp2i_is_ldexp_over_the_whole_fp32_range():

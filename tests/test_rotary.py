@@ -12,6 +12,7 @@ from bitfuse import policy, sites
 from bitfuse.numerics import same_bits
 from bitfuse.ops import rotary as R
 from bitfuse.ops._launch import HAS_TRITON
+
 ltx2 = pytest.importorskip("diffusers.models.transformers.transformer_ltx2")
 
 interpreter = pytest.mark.skipif(
@@ -47,9 +48,9 @@ def test_reference_is_diffusers(dtype):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 7, 24, generator=g).to(dtype)
     freqs = _interleaved_freqs(2, 7, 24, g)
-    assert torch.equal(R.rotary_reference(x, freqs, "interleaved"), ltx2.apply_interleaved_rotary_emb(x, freqs))
+    assert same_bits(R.rotary_reference(x, freqs, "interleaved"), ltx2.apply_interleaved_rotary_emb(x, freqs))
     freqs = _split_freqs(2, 7, 3, 4, g)
-    assert torch.equal(R.rotary_reference(x, freqs, "split"), ltx2.apply_split_rotary_emb(x, freqs))
+    assert same_bits(R.rotary_reference(x, freqs, "split"), ltx2.apply_split_rotary_emb(x, freqs))
 
 
 def test_guard_reasons():
@@ -75,12 +76,12 @@ def test_site_plain_under_compile_and_on_cpu(monkeypatch):
     freqs = _interleaved_freqs(1, 6, 16, g)
     want = (ltx2.apply_interleaved_rotary_emb(q, freqs), ltx2.apply_interleaved_rotary_emb(k, freqs))
     got = sites.rotary_site(q, k, freqs, None, "interleaved")  # CPU tensors: the reference, no verdict
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(same_bits(a, b) for a, b in zip(got, want))
     assert policy.verdicts() == []
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     monkeypatch.setattr(R, "launch_rotary", lambda *a, **k: pytest.fail("kernel launched while compiling"))
     got = sites.rotary_site(q, k, freqs, freqs, "interleaved")
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(same_bits(a, b) for a, b in zip(got, want))
 
 
 def test_site_gates_the_shared_launch(monkeypatch):
@@ -104,7 +105,7 @@ def test_site_gates_the_shared_launch(monkeypatch):
         got = sites.rotary_site(q, k, freqs, None, "interleaved")
     assert calls == [True]
     want = (R.rotary_reference(q, freqs, "interleaved"), R.rotary_reference(k, freqs, "interleaved"))
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(same_bits(a, b) for a, b in zip(got, want))
     [verdict] = policy.verdicts()
     assert verdict.status == "mismatch" and "q+k" in verdict.signature
     # separate frequencies: two single launches (another signature: verified, and refused, anew)
@@ -128,8 +129,8 @@ def test_interleaved_kernel_fp32(B, S, C, config):
             plan = plan._replace(wide=wide)
             out = (torch.full_like(x, float("nan")), torch.full_like(y, float("nan")))
             R.launch_rotary(plan, out=out, config=config)
-            assert torch.equal(out[0], _two_roundings(x, freqs, "interleaved"))
-            assert torch.equal(out[1], _two_roundings(y, freqs, "interleaved"))
+            assert same_bits(out[0], _two_roundings(x, freqs, "interleaved"))
+            assert same_bits(out[1], _two_roundings(y, freqs, "interleaved"))
 
 
 @interpreter
@@ -145,10 +146,10 @@ def test_split_kernel_fp32(B, S, H, r, config):
             plan = R.RotaryPlan("split", x, None, *f, *R._geometry_of(x, None, *f, "split"))._replace(wide=wide)
             out = torch.full_like(x, float("nan"))
             R.launch_rotary(plan, out=out, config=config)
-            assert torch.equal(out, _two_roundings(x, f, "split"))
+            assert same_bits(out, _two_roundings(x, f, "split"))
     plan = R.RotaryPlan("split", x, y, *freqs, *R._geometry_of(x, y, *freqs, "split"))
     xo, yo = R.launch_rotary(plan, config=config)
-    assert torch.equal(xo, _two_roundings(x, freqs, "split")) and torch.equal(yo, _two_roundings(y, freqs, "split"))
+    assert same_bits(xo, _two_roundings(x, freqs, "split")) and same_bits(yo, _two_roundings(y, freqs, "split"))
 
 
 @interpreter
@@ -157,7 +158,7 @@ def test_strided_x():
     x = torch.randn(2, 5, 40, generator=g)[:, :, 4:28]  # rows of 24 inside rows of 40
     freqs = _interleaved_freqs(2, 5, 24, g)
     plan = R.RotaryPlan("interleaved", x, None, *freqs, *R._geometry_of(x, None, *freqs, "interleaved"))
-    assert torch.equal(R.launch_rotary(plan, config=(8, 4)), _two_roundings(x, freqs, "interleaved"))
+    assert same_bits(R.launch_rotary(plan, config=(8, 4)), _two_roundings(x, freqs, "interleaved"))
 
 
 @interpreter

@@ -10,6 +10,7 @@ import torch
 from bitfuse import policy, sites
 from bitfuse.numerics import differing, same_bits
 from bitfuse.ops import rotary as R
+
 ltx2 = pytest.importorskip("diffusers.models.transformers.transformer_ltx2")
 
 pytestmark = pytest.mark.gpu
