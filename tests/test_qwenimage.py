@@ -257,16 +257,19 @@ def test_modulate_index_selects_rows_per_token():
 
 
 def test_an_overridden_modulate_is_used():
-    """A block class with its own `_modulate` runs it on the norm's output, as its stock
-    forward would."""
+    """A block with its own `_modulate` (its class's, or an instance attribute) runs it
+    on the norm's output, as its stock forward would."""
     model = _model("edit-2511")
+    stock = type(model.transformer_blocks[0])
 
-    class Scaled(type(model.transformer_blocks[0])):
+    class Scaled(stock):
         def _modulate(self, x, mod_params, index=None):
             out, gate = super()._modulate(x, mod_params, index)
             return out * 0.5, gate
 
     model.transformer_blocks[1].__class__ = Scaled
+    block = model.transformer_blocks[0]
+    block._modulate = lambda x, mod_params, index=None: (x, stock._modulate(block, x, mod_params, index)[1])
     cases = [_inputs(model, 1, condition_images=CONDITION), _inputs(model, 2)]
     plain = _model("edit-2511")
     assert not same_bits(_run(model, cases[0])[0], _run(plain, cases[0])[0])  # the override matters

@@ -6,11 +6,12 @@ This module carries faithful copies of the two forwards, line for line from
 diffusers 0.42.1, each replaced line kept above its replacement as a
 `# diffusers:` comment (tests/test_copies.py checks the copies):
 
-    n = norm(x); self._modulate(n, mod, index)   -> _norm_modulate(self, norm, x, mod, index):
-                                                    sites.layer_norm_modulate_site on `_modulate`'s parameters
-    x + gate * y                                 -> sites.gated_residual_site(x, y, gate) (products commute bitwise)
-    norm(x) * (1 + scale)[:, None, :] + shift[:, None, :]
-                                                 -> sites.layer_norm_modulate_site(norm_out, norm, x, ...)
+    norm(x), then self._modulate(it, mod, index)  -> _norm_modulate(self, norm, x, mod, index): the same
+                                                     parameters, `norm(x) * (1 + scale) + shift` through
+                                                     sites.layer_norm_modulate_site
+    x + gate * y                                  -> sites.gated_residual_site(x, y, gate) (products commute bitwise)
+    norm_out: norm(x) * (1 + scale)[:, None, :] + shift[:, None, :]
+                                                  -> sites.layer_norm_modulate_site(norm_out, norm, x, ...)
 
 The four block norms and the head's are `nn.LayerNorm(D, elementwise_affine=False,
 eps=1e-6)`, each output modulated once, so each norm and its modulation fuse into
@@ -25,7 +26,8 @@ output [B, 6D] (`chunk(2)` then `chunk(3)`: views, samples 6D apart):
   condition images'): `torch.where(index == 0, row0, row1)` picks each token's row.
   The sites take no per-token row choice, so the choice is materialised as eager
   materialises it ([B, S, D], the same bits) and read as per-token parameters. No
-  copy is added; eager's three `where`s stay (one `index == 0` serves all three).
+  copy is added; eager's three `where`s stay (one `index == 0` serves all three;
+  a kernel parameter choosing the row per token, like `Folded`, would save them).
 
 The text stream is never index-modulated. The attention processor (q/k RMSNorm,
 complex RoPE) and everything else run as diffusers runs them.
