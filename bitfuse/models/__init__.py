@@ -45,6 +45,7 @@ __all__ = [
 #: name, so that diffusers is imported only when such a model is actually passed
 _REGISTRY = {
     "LTX2VideoTransformer3DModel": "bitfuse.models.ltx2",
+    "QwenImageTransformer2DModel": "bitfuse.models.qwenimage",
 }
 
 
