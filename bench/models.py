@@ -70,6 +70,7 @@ import torch
 
 from bench.timing import rotated, summary
 from bitfuse import modes, numerics, policy
+from bitfuse.models import UnsupportedModelError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
@@ -385,8 +386,11 @@ def profile_kernels(call, device) -> dict | None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         call()
         sync(device)
-    return split_kernels((e.name, e.time_range.elapsed_us()) for e in prof.events()
-                         if getattr(e, "device_type", None) == DeviceType.CUDA)
+    kernels = [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+               if getattr(e, "device_type", None) == DeviceType.CUDA]
+    if not kernels:
+        return dict(note="the profiler saw no CUDA kernels (graph replays untraced by this build?)")
+    return split_kernels(kernels)
 
 
 class GpuSampler:
@@ -401,6 +405,7 @@ class GpuSampler:
         self.samples: dict[str, list] = {}
         self.tag = None
         self.why = None
+        self.read_s = 0.0  # time spent in reads (the sampler's own cost)
         self.interval = interval
         self.read = read or self._nvml(device)
         self._stop = threading.Event()
@@ -438,11 +443,13 @@ class GpuSampler:
             tag = self.tag
             if tag is None:
                 continue
+            t0 = time.perf_counter()
             try:
                 value = self.read()
             except Exception as exc:  # recorded, and sampling stops
                 self.why = f"sampling failed: {type(exc).__name__}: {exc}"
                 return
+            self.read_s += time.perf_counter() - t0
             self.samples.setdefault(tag, []).append(value)
 
     @contextlib.contextmanager
@@ -512,7 +519,7 @@ class Workload:
         try:
             fn()
             return True
-        except (modes.ModeError, NotImplementedError) as exc:
+        except (modes.ModeError, UnsupportedModelError) as exc:  # the mode cannot run here: a reason, not a failure
             self.rec["modes"][mode] = dict(skipped=str(exc))
             log(f"  {mode}: skipped ({exc})")
         except Exception as exc:  # noqa: BLE001 - one failing mode must not hide the others
@@ -535,8 +542,8 @@ class Workload:
         for r in range(self.args.rounds):
             for mode in rotated(list(self.live), r):
                 self._guarded(mode, f"round {r}", lambda m=mode, r=r: self.visit(m, r))
-            self.finish()
-            self.save()
+                self.finish()
+                self.save()
             log(f"  round {r + 1}/{self.args.rounds}: " + ", ".join(
                 f"{m} {self.rec['modes'][m]['ms']:.2f}" for m in self.live if self.rec["modes"][m].get("ms")) + " ms")
         if self.args.profile and self.device.type == "cuda":
@@ -901,6 +908,12 @@ def main(argv=None) -> int:
         log(result["status"])
     finally:
         sampler.stop()
+        if sampler.read is not None and sampler.why:
+            result["notes"].append(f"clock and power sampling stopped: {sampler.why}")
+        reads = sum(len(v) for v in sampler.samples.values())
+        if reads:
+            result["nvml_reads"] = dict(n=reads, mean_ms=round(sampler.read_s / reads * 1e3, 3),
+                                        interval_ms=sampler.interval * 1e3)
         write_json(path, result)
     log(f"wrote {path}")
     try:

@@ -184,7 +184,7 @@ def _f(v, fmt, suffix=""):
 def _split(r):
     k = (r.get("kernels") or {}).get("ms")
     if not k:
-        return ""
+        return "not traced" if (r.get("kernels") or {}).get("note") else ""
     return f"{k['gemm']:.1f} / {k['attention']:.1f} / {k['other']:.1f} ({r['kernels']['bitfuse_ms']:.1f})"
 
 
