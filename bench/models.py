@@ -52,7 +52,6 @@ import gc
 import importlib
 import inspect
 import json
-import math
 import os
 import platform
 import re
@@ -786,38 +785,38 @@ def table(result: dict) -> str:
 
 
 def plot(result: dict, path: str) -> None:
-    """Median ms per mode and workload, and the kernel split of the first workload."""
+    """Median ms per mode and workload (labelled with the speedup over eager), and the
+    kernel split of the first workload."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     workloads = list(result["workloads"].items())
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5))
     names = [m for m in modes.MODES if any("ms" in w["modes"].get(m, {}) for _, w in workloads)]
+    cfg = result["config"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5))
     width = 0.8 / max(1, len(workloads))
     for i, (wname, w) in enumerate(workloads):
-        xs = [j + (i - (len(workloads) - 1) / 2) * width for j, m in enumerate(names) if "ms" in w["modes"].get(m, {})]
-        rs = [w["modes"][m] for m in names if "ms" in w["modes"].get(m, {})]
-        bars = ax1.bar(xs, [r["ms"] for r in rs], width, label=wname)
-        for bar, r in zip(bars, rs):
-            ax1.annotate(f"{r.get('speedup_vs_eager') or 0:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+        timed = [(j, w["modes"][m]) for j, m in enumerate(names) if "ms" in w["modes"].get(m, {})]
+        offset = (i - (len(workloads) - 1) / 2) * width
+        bars = ax1.bar([j + offset for j, _ in timed], [r["ms"] for _, r in timed], width, label=wname)
+        for bar, (_, r) in zip(bars, timed):
+            ax1.annotate(f"{r.get('speedup_vs_eager') or 0:.2f}x", (bar.get_x() + width / 2, bar.get_height()),
                          ha="center", va="bottom", fontsize=7)
-    ax1.set_xticks(range(len(names)))
-    ax1.set_xticklabels(names)
+    ax1.set_xticks(range(len(names)), names)
     ax1.set_ylabel("ms per forward (median)")
-    cfg = result["config"]
-    ax1.set_title(f"{result['preset']}, {cfg.get('layers')} layers, batch {cfg.get('batch')}, {result['gpu']}", fontsize=9)
+    ax1.set_title(f"{result['preset']}, {cfg.get('layers')} layers, batch {cfg.get('batch')}, {result['gpu']}",
+                  fontsize=9)
     ax1.legend(fontsize=8)
-    w = workloads[0][1] if workloads else {"modes": {}}
-    rows = [(m, w["modes"][m]["kernels"]["ms"]) for m in names if (w["modes"].get(m, {}).get("kernels") or {}).get("ms")]
-    bottom = [0.0] * len(rows)
+    first = workloads[0][1]["modes"] if workloads else {}
+    split = [(m, first[m]["kernels"]["ms"]) for m in names if (first.get(m, {}).get("kernels") or {}).get("ms")]
+    bottom = [0.0] * len(split)
     for key, color in (("gemm", "tab:blue"), ("attention", "tab:orange"), ("other", "tab:gray")):
-        vals = [k[key] for _, k in rows]
-        ax2.bar(range(len(rows)), vals, bottom=bottom, label=key, color=color)
-        bottom = [a + v for a, v in zip(bottom, vals)]
-    ax2.set_xticks(range(len(rows)))
-    ax2.set_xticklabels([m for m, _ in rows])
+        values = [k[key] for _, k in split]
+        ax2.bar(range(len(split)), values, bottom=bottom, label=key, color=color)
+        bottom = [a + v for a, v in zip(bottom, values)]
+    ax2.set_xticks(range(len(split)), [m for m, _ in split])
     ax2.set_ylabel("CUDA kernel ms per forward")
     ax2.set_title(f"kernel time ({workloads[0][0] if workloads else ''}): GEMM / attention / other", fontsize=9)
     ax2.legend(fontsize=8)

@@ -225,8 +225,6 @@ def run_case(spec, layout: str, shape: tuple, ceiling: float, dtype=torch.bfloat
         status = f"{r['us']:8.1f} us {row['pct_ceiling']:5.1f}%  exact={r.get('exact')}" if "us" in r else \
             f"ERROR {r.get('error')}"
         print(f"  {spec.name:26s} {layout:13s} {B}x{S}x{D} {name:26s} {status}", file=sys.stderr, flush=True)
-    del sets, probe, ref
-    torch.cuda.empty_cache()
     return rows
 
 
@@ -359,6 +357,7 @@ def main(argv=None) -> int:
             print(f"budget of {args.budget:.0f} s spent: {len(todo) - i} cases not run", file=sys.stderr)
             break
         rows += run_case(spec, layout, shape, ceiling)
+        torch.cuda.empty_cache()  # the case's operands and graphs are gone with it
         with open(stem + ".json", "w") as f:  # after every case: a run cut short keeps what it measured
             json.dump(result, f, indent=1)
     with open(stem + ".json", "w") as f:

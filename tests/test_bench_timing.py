@@ -58,7 +58,8 @@ def test_report_counts_shapes_slower_in_every_round_against_the_control():
     def row(op, variant, us, rounds):
         return dict(op=op, D=2048, S=1024, layout="per-sample", variant=variant, us=us, rounds_us=rounds)
 
-    rows = [row("modulate", "bitfuse lossless", 3.5, [3.5, 3.6, 3.4]), row("modulate", "compile+emulate", 3.4, [3.4, 3.5, 3.5]),
+    rows = [row("modulate", "bitfuse lossless", 3.5, [3.5, 3.6, 3.4]),
+            row("modulate", "compile+emulate", 3.4, [3.4, 3.5, 3.5]),
             row("gated_residual", "bitfuse lossless", 4.7, [4.7, 4.8, 4.7]),
             row("gated_residual", "compile+emulate", 4.6, [4.6, 4.6, 4.6])]
     (text,) = [line for line in report.against_compile(rows) if line]
