@@ -48,6 +48,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import functools
 import gc
 import importlib
 import inspect
@@ -159,23 +160,20 @@ def _hook_workloads(configs, model, args, pixels):
                         configs.make_inputs(model, **kwargs))}
 
 
-def _partial(fn, **bound):
-    return lambda *a: fn(*a, **bound)
-
-
 LTX_OPTIONS = ("tokens", "per_token", "pass_coords")
 PRESETS = {
     p.name: p
     for p in (
         Preset("ltx2", "bitfuse.models.ltx2_configs", "LTX-2.0 transformer, full width",
-               _partial(_ltx2_build, variant="2.0"), _partial(_ltx2_workloads, variant="2.0"), 2, LTX_OPTIONS),
+               functools.partial(_ltx2_build, variant="2.0"), functools.partial(_ltx2_workloads, variant="2.0"), 2,
+               LTX_OPTIONS),
         Preset("ltx2.3", "bitfuse.models.ltx2_configs", "LTX-2.3 flags (gated attention, prompt modulation, STG)",
-               _partial(_ltx2_build, variant="2.3"), _partial(_ltx2_workloads, variant="2.3"), 2,
+               functools.partial(_ltx2_build, variant="2.3"), functools.partial(_ltx2_workloads, variant="2.3"), 2,
                LTX_OPTIONS + ("stg",)),
         Preset("flux", "bitfuse.models.flux_configs", "FLUX.1-dev at 1024 x 1024 (4,096 image + 512 text tokens)",
-               _hook_build, _partial(_hook_workloads, pixels=1024), 1),
+               _hook_build, functools.partial(_hook_workloads, pixels=1024), 1),
         Preset("qwenimage", "bitfuse.models.qwenimage_configs", "Qwen-Image at 1328 x 1328, 60 layers",
-               _hook_build, _partial(_hook_workloads, pixels=1328), 1),
+               _hook_build, functools.partial(_hook_workloads, pixels=1328), 1),
     )
 }
 
