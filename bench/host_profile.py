@@ -1,31 +1,31 @@
-"""Host time of one LTX-2 forward: where the CPU time goes when the GPU waits for it.
+"""Host time of a forward: where the CPU time goes when the GPU waits for it.
 
-    python3 bench/host_profile.py [--layers 4] [--top 40]
+    python -m bench.host_profile ltx2 --layers 4 --batch 1 --video 1 4 4 --audio-tokens 4 --text-tokens 8
 
-Full-width model (4 layers), but a tiny token count (16 video, 4 audio, 8 text),
-so that GPU work is negligible and the wall time of a forward is the host's:
-the floor under the wall time of a non-graph forward at any size. Prints ms per
-forward for eager and bitfuse lossless, then cProfile of the bitfuse forward
-(functions by own time) and the aten ops it dispatches.
+The model of a bench/models.py preset (same options); pass a tiny token count, as
+above, so that GPU work is negligible and the wall time of a forward is the host's:
+the floor under the wall time of a non-graph forward at any size (at tiny M each
+linear also pays cuBLAS's heuristics, so it overstates that floor). Prints ms per
+forward for each mode, then for the last mode cProfile's functions by own time and
+the top-level aten ops one forward dispatches.
 """
+
+from __future__ import annotations
 
 import argparse
 import collections
 import cProfile
-import os
 import pstats
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import bitfuse  # noqa: E402
-from bitfuse.models.ltx2_configs import build_model, full_config, make_inputs  # noqa: E402
+from bench.models import PresetUnavailable, add_model_arguments, build, resolve
+from bitfuse import modes
 
 
-def wall_ms(call, n=30):
+def wall_ms(call, n: int = 30) -> float:
     for _ in range(5):
         call()
     torch.cuda.synchronize()
@@ -36,42 +36,52 @@ def wall_ms(call, n=30):
     return (time.perf_counter() - t) / n * 1e3
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--top", type=int, default=40)
-    args = ap.parse_args()
-    model = build_model(full_config(args.layers), device="cuda", dtype=torch.bfloat16, seed=0)
-    kw = make_inputs(model, batch=1, video_tokens_shape=(1, 4, 4), audio_tokens=4, text_tokens=8)
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.host_profile", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(ap, modes_default=("eager", "lossless"))
+    ap.add_argument("--top", type=int, default=40, help="cProfile rows (default 40)")
+    args = resolve(ap, ap.parse_args(argv))
+    if not torch.cuda.is_available() or args.device.type != "cuda":
+        print("bench/host_profile.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    try:
+        _, model, workloads = build(args)
+    except PresetUnavailable as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    describe, kwargs = next(iter(workloads.values()))
+    print(f"{args.preset}, {model.config.num_layers} layers, {describe}")
 
     def call():
         with torch.no_grad():
-            return model(**kw)
+            return model(**kwargs)
 
-    print(f"eager            {wall_ms(call):7.2f} ms/forward (host-bound)")
-    handle = bitfuse.accelerate(model)
-    print(f"bitfuse lossless {wall_ms(call):7.2f} ms/forward (host-bound)")
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(10):
-        call()
-    prof.disable()
-    torch.cuda.synchronize()
-    stats = pstats.Stats(prof)
-    stats.sort_stats("tottime").print_stats(args.top)
-    from torch.profiler import ProfilerActivity, profile
+    for i, mode in enumerate(args.modes):
+        with modes.entered(mode, model):
+            print(f"{mode:<9} {wall_ms(call):8.2f} ms/forward")
+            if i < len(args.modes) - 1:
+                continue
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(10):
+                call()
+            prof.disable()
+            torch.cuda.synchronize()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+            from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as p:
-        call()
+            with profile(activities=[ProfilerActivity.CPU]) as p:
+                call()
     ops = collections.Counter()
     for e in p.events():
-        par = e.cpu_parent
-        if e.name.startswith("aten::") and (par is None or not par.name.startswith("aten::")):
+        parent = e.cpu_parent
+        if e.name.startswith("aten::") and (parent is None or not parent.name.startswith("aten::")):
             ops[e.name] += 1
-    print(f"top-level aten ops per forward: {sum(ops.values())}")
+    print(f"top-level aten ops per forward ({args.modes[-1]}): {sum(ops.values())}")
     print(", ".join(f"{k[6:]} {v}" for k, v in ops.most_common(30)))
-    handle.restore()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

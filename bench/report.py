@@ -1,7 +1,12 @@
 """Write the results block of bench/README.md from bench/results/*.json (never typed by hand).
 
-    python3 bench/report.py            # rewrites the block between the results markers
-    python3 bench/report.py --check    # exit 1 if bench/README.md is out of date
+    python -m bench.report            # rewrites the block between the results markers
+    python -m bench.report --check    # exit 1 if bench/README.md is out of date
+
+Reads the JSON of bench/models.py ("bench": "models"), bench/ops.py (ops-*.json,
+and repeat/ops-*.json for the round-by-round comparison) and bench/norm_accuracy.py
+(norm-accuracy-*.json). Earlier runs in a retired format sit in results/archive/
+and are not rendered. Standard library only (CI runs `--check` without torch).
 """
 
 from __future__ import annotations
@@ -10,10 +15,8 @@ import argparse
 import glob
 import json
 import os
+import statistics
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import paired_rounds  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
@@ -21,6 +24,39 @@ README = os.path.join(ROOT, "bench", "README.md")
 START, END = "<!-- results:start (bench/report.py writes this) -->", "<!-- results:end -->"
 
 OPS_VARIANTS = ("eager", "torch.compile", "compile+emulate", "bitfuse lossless", "bitfuse high")
+POINTWISE = ("modulate", "gated_residual")
+MODE_LABELS = {"eager": "eager", "lossless": "lossless", "high": "high", "graphs": "lossless + CUDA graphs",
+               "compile": "regional torch.compile"}
+
+
+def _load(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def _src(path):
+    return f"`{os.path.relpath(path, ROOT)}`"
+
+
+def paired_rounds(a: list, b: list) -> dict:
+    """Round-by-round comparison of two variants' per-round medians (`a`, `b`: one
+    value a round, from the same interleaved run): the median difference a - b,
+    and in how many rounds a was slower. "slower in every round" has probability
+    2**-rounds if neither is faster (one-sided sign test)."""
+    diffs = [x - y for x, y in zip(a, b)]
+    return dict(median_diff_us=round(statistics.median(diffs), 3), rounds=len(diffs),
+                rounds_slower=sum(d > 0 for d in diffs))
+
+
+# ---------------------------------------------------------------- ops
+
+
+def _layout(r):
+    return r.get("layout", r.get("params"))  # (runs before the spec-driven bench/ops.py called it "params")
+
+
+def _key(r):
+    return (r["op"], r["D"], r["S"], _layout(r))
 
 
 def _cell(r):
@@ -28,42 +64,38 @@ def _cell(r):
         return ""
     if "us" not in r:
         return "error"
-    mark = "" if r["exact"] else " ≠"
-    return f"{r['us']:.1f} ({r['pct_ceiling']:.0f}%){mark}"
+    return f"{r['us']:.1f} ({r['pct_ceiling']:.0f}%)" + ("" if r.get("exact") else " ≠")
+
+
+def _host_text(host: dict) -> str:
+    if all(isinstance(v, dict) for v in host.values()):  # per op: {variant: us}
+        return "; ".join(f"{op}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()) for op, row in host.items())
+    return "; ".join(f"{k} {v:.1f}" for k, v in host.items())
 
 
 def ops_section(path):
-    res = json.load(open(path))
-    rows = [r for r in res["rows"]]
+    res = _load(path)
+    rows = res["rows"]
     lines = [
-        f"**Ops** — {res['gpu']}, torch {res['torch']}, triton {res['triton']}, {res['dtype']}, "
-        f"copy ceiling {res['copy_ceiling_tbps']:.2f} TB/s measured in the same run ({res['date']}). "
-        "Device µs per call (median of CUDA-graph replays over inputs several times the L2), in brackets "
-        "the share of the copy ceiling; ≠ marks output that is not `torch.equal` "
-        f"to eager. Source: `{os.path.relpath(path, ROOT)}`.",
+        f"**Ops** — {res['gpu']}, torch {res['torch']}, triton {res['triton']}, {res['dtype']}, copy ceiling "
+        f"{res['copy_ceiling_tbps']:.2f} TB/s measured in the same run ({res['date']}). Device µs per call (median "
+        "of CUDA-graph replays over inputs several times the L2), in brackets the share of the copy ceiling; ≠ marks "
+        f"output that is not bitwise equal to eager's. Source: {_src(path)}.",
         "",
-        "Host cost of one call on tiny tensors (µs): " + "; ".join(
-            f"{k} {v:.1f}" for k, v in res.get("host_us", {}).items()) + ".",
+        "Host cost of one call on tiny tensors (µs): " + _host_text(res.get("host_us", {})) + ".",
         "",
-        "| op | D | S | params | " + " | ".join(OPS_VARIANTS) + " |",
+        "| op | D | S | layout | " + " | ".join(OPS_VARIANTS) + " |",
         "|---|---|---|---|" + "---|" * len(OPS_VARIANTS),
     ]
-    cases = []
-    for r in rows:
-        k = (r["op"], r["D"], r["S"], r["params"])
-        if k not in cases:
-            cases.append(k)
-    for k in cases:
-        cells = []
-        for v in OPS_VARIANTS:
-            cells.append(_cell(next((r for r in rows if (r["op"], r["D"], r["S"], r["params"]) == k
-                                     and r["variant"] == v), None)))
+    for k in dict.fromkeys(_key(r) for r in rows):
+        cells = [_cell(next((r for r in rows if _key(r) == k and r["variant"] == v), None)) for v in OPS_VARIANTS]
         lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | " + " | ".join(cells) + " |")
-    lines += against_compile(rows)
-    return lines
+    if res.get("skipped"):
+        lines += ["", f"Not run (time budget): {', '.join(res['skipped'])}."]
+    return lines + against_compile(rows)
 
 
-def against_compile(rows, ops=("modulate", "gated_residual")):
+def against_compile(rows, ops=POINTWISE):
     """The pointwise ops' lossless path against compile + emulate, round by round, next
     to the control: a second capture of compile + emulate against the first, which
     shows how far two timings of the same code differ in this run."""
@@ -73,10 +105,13 @@ def against_compile(rows, ops=("modulate", "gated_residual")):
         for r in rows:
             if r["op"] in ops and r["variant"] == variant and "rounds_us" in r:
                 c = next((c for c in rows if c["variant"] == "compile+emulate" and "rounds_us" in c
-                          and all(c[k] == r[k] for k in ("op", "D", "S", "params"))), None)
+                          and _key(c) == _key(r)), None)
                 if c is not None:
                     out.append((r, c, paired_rounds(r["rounds_us"], c["rounds_us"])))
         return out
+
+    def name(r):
+        return f"{r['op']} {r['D']}×{r['S']} {_layout(r)}"
 
     def summary(pairs):
         slower = [r["us"] - c["us"] for r, c, _ in pairs if r["us"] > c["us"]]
@@ -84,8 +119,7 @@ def against_compile(rows, ops=("modulate", "gated_residual")):
         text = f"slower by the median at {len(slower)}" + (f" (by at most {max(slower):.2f} µs)" if slower else "")
         text += f", slower in every round at {len(every)}"
         if every:
-            text += " (" + "; ".join(f"{r['op']} {r['D']}×{r['S']} {r['params']}, {p['median_diff_us']:+.2f} µs"
-                                     for r, p in every) + ")"
+            text += " (" + "; ".join(f"{name(r)}, {p['median_diff_us']:+.2f} µs" for r, p in every) + ")"
         return text
 
     pairs = pairs_of("bitfuse lossless")
@@ -102,145 +136,182 @@ def against_compile(rows, ops=("modulate", "gated_residual")):
                  f"; its largest round-by-round gap is {gap:.2f} µs. bitfuse is slower in every round and by more "
                  f"than that gap at {len(beyond)} shapes")
         if beyond:
-            text += " (" + "; ".join(f"{r['op']} {r['D']}×{r['S']} {r['params']}" for r, _ in beyond) + ")"
+            text += " (" + "; ".join(name(r) for r, _ in beyond) + ")"
     return ["", text + "."]
 
 
-def ltx2_section(path):
-    res = json.load(open(path))
-    cfg, v = res["config"], res["versions"]
-    lines = [
-        f"**LTX-2 transformer forward** — {res['gpu']}, torch {v.get('torch')}, triton {v.get('triton')}, "
-        f"diffusers {v.get('diffusers')}; LTX-{cfg['variant']}, full width, {cfg['layers']} layers, "
-        f"{cfg['video_tokens']} video + {cfg['audio_tokens']} audio + {cfg['text_tokens']} text tokens, "
-        f"{cfg['dtype']}, batch {cfg['batch']} ({res['date']}). Median ms per forward over {cfg['iters']} calls. "
-        f"Source: `{os.path.relpath(path, ROOT)}`.",
-        "",
-        "| timestep | mode | ms / forward | speedup vs eager | output elements differing from eager |",
-        "|---|---|---|---|---|",
-    ]
-    for ts, modes in res["results"].items():
-        for mode, r in modes.items():
-            if "ms" not in r:
-                lines.append(f"| {ts} | {mode} | error: {str(r.get('error', ''))[:80]} | | |")
-                continue
-            diff = "reference" if mode == "eager" else (
-                f"{r['mismatches']:,} of {r['numel']:,}" if r.get("mismatches") is not None else "")
-            lines.append(f"| {ts} | {mode} | {r['ms']:.2f} | {r.get('speedup', 0):.2f}x | {diff} |")
-    for ts, modes in res["results"].items():
-        split = []
-        for mode, r in modes.items():
-            k = r.get("kernels")
-            if isinstance(k, dict) and "ms_per_forward" in k:
-                m = k["ms_per_forward"]
-                split.append(f"{mode}: GEMM {m['gemm']:.1f}, attention {m['attention']:.1f}, other {m['other']:.1f} ms")
-        if split:
-            lines += ["", f"Kernel time per forward ({ts}, torch.profiler): " + "; ".join(split) + "."]
-    return lines
+# ---------------------------------------------------------------- norm accuracy
 
 
 def accuracy_section(path):
-    res = json.load(open(path))
+    res = _load(path)
     B, S, D = res["shape"]
     lines = [
-        f"**Norm + modulate accuracy** — {res['gpu']}, torch {res['torch']}, triton {res['triton']}, "
-        f"{S} x {D}, per-sample parameters. Error against the float64 value in ULPs at the scale of the "
-        "modulate's largest term (mean / max), and how many elements differ from eager. high-r2 is the "
-        "shipped high tier (eager's roundings, another summation order); high-r0 rounds once. "
-        f"Source: `{os.path.relpath(path, ROOT)}`.",
+        f"**Norm + modulate accuracy** — {res['gpu']}, torch {res['torch']}, triton {res['triton']}, {B} × {S} × {D}, "
+        f"parameters `{res['layout']}`. Error against the float64 value of the same expression in ULPs at the scale "
+        "of its largest term (mean / max), elements differing bitwise from eager (largest ULP distance), and whether "
+        f"the high contract (`numerics.high_contract`) holds. Source: {_src(path)}.",
         "",
-        "| reference | dtype | rows | eager vs fp64 | lossless: differ from eager | high-r2 vs fp64 | high-r2: differ "
-        "(max ULP) | high-r0 vs fp64 | high-r0: differ (max ULP) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| reference | dtype | rows | eager vs fp64 | lossless: differ from eager | high vs fp64 | high: differ from "
+        "eager (max ULP) | high contract |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for r in res["results"]:
+    for r in res["rows"]:
         v = r["variants"]
 
         def err(name):
-            return f"{v[name]['vs_fp64_mean_ulp']:.3f} / {v[name]['vs_fp64_max_ulp']:.2f}"
+            m = v.get(name, {})
+            return m.get("error", f"{m.get('mean_ulp', 0):.3f} / {m.get('max_ulp', 0):.2f}")
 
-        def differ(name):
-            return f"{v[name]['vs_eager_differ']:,} ({v[name]['vs_eager_max_ulp_at_term_scale']:g})"
+        def differ(name, ulp=False):
+            m = v.get(name, {})
+            if "differ_from_eager" not in m:
+                return m.get("error", "")
+            return f"{m['differ_from_eager']:,}" + (f" ({m['max_ulp_from_eager']})" if ulp else "")
 
-        lines.append(f"| {r['reference']} | {r['dtype']} | {r['kind']} | {err('eager')} | "
-                     f"{v['lossless']['vs_eager_differ']:,} | {err('high-r2')} | {differ('high-r2')} | "
-                     f"{err('high-r0')} | {differ('high-r0')} |")
+        lines.append(f"| {r['reference']} | {r['dtype']} | {r['data']} | {err('eager')} | {differ('lossless')} | "
+                     f"{err('high')} | {differ('high', ulp=True)} | {v.get('high', {}).get('high_contract', '')} |")
     return lines
 
 
-def headline(ops_path, ltx2_path):
+# ---------------------------------------------------------------- models
+
+
+def _f(v, fmt, suffix=""):
+    return "" if v is None else format(v, fmt) + suffix
+
+
+def _split(r):
+    k = (r.get("kernels") or {}).get("ms")
+    if not k:
+        return "not traced" if (r.get("kernels") or {}).get("note") else ""
+    return f"{k['gemm']:.1f} / {k['attention']:.1f} / {k['other']:.1f} ({r['kernels']['bitfuse_ms']:.1f})"
+
+
+def _gpu(r):
+    g = r.get("gpu") or {}
+    clock, power = (g.get("sm_clock_mhz") or {}).get("median"), (g.get("power_w") or {}).get("median")
+    return f"{clock:.0f} MHz, {power:.0f} W" if clock is not None else ""
+
+
+def _differ(mode, r):
+    if mode == "eager":
+        return "reference" if not r.get("differing") else f"{r['differing']:,} (eager against itself)"
+    return "" if r.get("differing") is None else f"{r['differing']:,} of {r['numel']:,}"
+
+
+def models_section(path):
+    res = _load(path)
+    cfg, v = res["config"], res["versions"]
+    lines = [
+        f"**{res['preset']}** ({res.get('about', '')}) — {res['gpu']}, torch {v.get('torch')}, triton "
+        f"{v.get('triton')}, diffusers {v.get('diffusers')}; {cfg.get('layers')} layers, batch {cfg['batch']}, "
+        f"{cfg['dtype']}, {cfg['rounds']} interleaved rounds × {cfg['per_round']} forwards per mode ({res['date']}, "
+        f"{res['status']}). `{res['command']}`. Source: {_src(path)}.",
+    ]
+    if res.get("cold_start"):
+        cs = res["cold_start"]
+        parts = []
+        for phase in ("cold", "warm"):
+            r = cs.get(phase, {})
+            got = [f"{m} {r[m]['first_call_s']:.1f} s" for m in ("lossless", "compile")
+                   if isinstance(r.get(m), dict) and "first_call_s" in r[m]]
+            parts.append(f"{phase} caches: " + (", ".join(got) if got else f"failed ({r.get('error')})"))
+        lines += ["", "First call in a fresh process (`--cold-start`): " + "; ".join(parts) + "."]
+    for name, w in res["workloads"].items():
+        lines += ["", f"*{name}*: {w.get('describe', '')}. Inputs: "
+                  + ", ".join(f"{k} {'×'.join(map(str, s))}" for k, s in w.get("inputs", {}).items()) + ".", "",
+                  "| mode | ms / forward (min – p90) | vs eager | vs compile | elements differing from eager | "
+                  "first call s | peak GiB | kernel ms: GEMM / attention / other (bitfuse) | SM clock, power | "
+                  "gate verdicts |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for mode, r in w["modes"].items():
+            label = MODE_LABELS.get(mode, mode)
+            if "skipped" in r or "error" in r:
+                lines.append(f"| {label} | {'skipped' if 'skipped' in r else 'failed'}: "
+                             f"{(r.get('skipped') or r.get('error'))[:100]} | | | | | | | | |")
+                continue
+            ms = (f"{r['ms']:.2f} ({r['ms_min']:.2f} – {r['ms_p90']:.2f})" if r.get("ms") is not None else "")
+            verdicts = ", ".join(f"{n} {k}" for k, n in (r.get("verdicts") or {}).items())
+            lines.append(f"| {label} | {ms} | {_f(r.get('speedup_vs_eager'), '.2f', '×')} | "
+                         f"{_f(r.get('speedup_vs_compile'), '.2f', '×')} | {_differ(mode, r)} | "
+                         f"{_f(r.get('first_call_s'), '.1f')} | {_f(r.get('peak_mem_gib'), '.1f')} | {_split(r)} | "
+                         f"{_gpu(r)} | {verdicts} |")
+    for note in res.get("notes", []):
+        lines += ["", f"Note: {note}"]
+    return lines
+
+
+# ---------------------------------------------------------------- headline
+
+
+def headline(ops_path, models_paths):
     """The few figures a reader wants first, from the same JSON as the tables."""
     lines = []
-    if ltx2_path:
-        res = json.load(open(ltx2_path))
-        cfg = res["config"]
-        for ts, modes in res["results"].items():
-            def ms(m):
-                return modes.get(m, {}).get("ms")
+    for path in models_paths:
+        res = _load(path)
+        for name, w in res["workloads"].items():
+            m = w["modes"]
 
-            def differ(m):
-                r = modes.get(m, {})
-                if r.get("mismatches") is None:
-                    return ""
-                return f"{r['mismatches']:,} of {r['numel']:,} elements differ"
+            def ms(mode):
+                return m.get(mode, {}).get("ms")
 
-            if ms("eager") is None or ms("bitfuse-lossless") is None:
+            if ms("eager") is None or ms("lossless") is None:
                 continue
-            parts = [f"eager {ms('eager'):.1f} ms",
-                     f"bitfuse lossless {ms('bitfuse-lossless'):.1f} ms "
-                     f"({ms('eager') / ms('bitfuse-lossless'):.2f}x, {differ('bitfuse-lossless')})"]
-            if ms("bitfuse-high") is not None:
-                parts.append(f"high {ms('bitfuse-high'):.1f} ms ({differ('bitfuse-high')})")
-            if ms("graphs-lossless") is not None:
-                parts.append(f"lossless with CUDA graphs {ms('graphs-lossless'):.1f} ms")
-            if ms("compile-regional") is not None:
-                parts.append(f"regional torch.compile {ms('compile-regional'):.1f} ms ({differ('compile-regional')})")
-            lines.append(f"- LTX-2, {cfg['layers']} layers, {cfg['video_tokens']} video tokens, {ts} timestep: "
+            parts = [f"eager {ms('eager'):.1f} ms"]
+            for mode in ("lossless", "graphs", "high", "compile"):
+                if ms(mode) is not None:
+                    r = m[mode]
+                    parts.append(f"{MODE_LABELS[mode]} {ms(mode):.1f} ms ({r['speedup_vs_eager']:.2f}×"
+                                 + (f", {_differ(mode, r)} elements differ" if r.get("differing") is not None else "")
+                                 + ")")
+            lines.append(f"- {res['preset']}, {res['config'].get('layers')} layers, {name} ({w.get('describe', '')}): "
                          + "; ".join(parts) + ".")
     if ops_path:
-        rows = json.load(open(ops_path))["rows"]
-        big = [r for r in rows if r["op"] in ("modulate", "gated_residual") and r["S"] >= 6144
-               and r["variant"] == "bitfuse lossless" and "pct_ceiling" in r]
+        rows = _load(ops_path)["rows"]
+        big = [r for r in rows if r["op"] in POINTWISE and r["S"] >= 6144 and r["variant"] == "bitfuse lossless"
+               and "pct_ceiling" in r]
         if big:
             lo, hi = min(r["pct_ceiling"] for r in big), max(r["pct_ceiling"] for r in big)
-            lines.append(f"- Modulate and gated residual at 6144 tokens and above: {lo:.0f}-{hi:.0f}% of the "
-                         "copy ceiling, bit-exact.")
-        norms = [r for r in rows if r["op"].endswith("+modulate") and r["params"] == "per-sample"
-                 and r["variant"] in ("eager", "bitfuse lossless", "bitfuse high") and "us" in r]
-        by_op = {}
-        for r in norms:
-            by_op.setdefault((r["op"], r["D"], r["S"]), {})[r["variant"]] = r
-        for (op, D, S), v in by_op.items():
-            if "eager" in v and "bitfuse lossless" in v:
-                text = (f"- {op}, {S} x {D}, per-sample: eager {v['eager']['us']:.0f} us, lossless "
-                        f"{v['bitfuse lossless']['us']:.1f} us ({v['bitfuse lossless']['pct_ceiling']:.0f}% of the "
-                        f"ceiling, {'bit-exact' if v['bitfuse lossless']['exact'] else 'NOT exact'})")
-                if "bitfuse high" in v:
-                    text += f", high {v['bitfuse high']['us']:.1f} us ({v['bitfuse high']['pct_ceiling']:.0f}%)"
-                lines.append(text + ".")
+            exact = "bit-exact" if all(r.get("exact") for r in big) else "NOT all bit-exact"
+            lines.append(f"- Modulate and gated residual at 6144 tokens and above: {lo:.0f}-{hi:.0f}% of the copy "
+                         f"ceiling, {exact}.")
+        by_case = {}
+        for r in rows:
+            if "norm" in r["op"] and "modulate" in r["op"] and "us" in r and r["variant"] in OPS_VARIANTS:
+                by_case.setdefault(_key(r), {})[r["variant"]] = r
+        for (op, D, S, layout), v in by_case.items():
+            if layout not in ("per-sample", "unbind-sample") or "eager" not in v or "bitfuse lossless" not in v:
+                continue
+            ll = v["bitfuse lossless"]
+            text = (f"- {op}, {S} × {D}, {layout}: eager {v['eager']['us']:.0f} µs, lossless {ll['us']:.1f} µs "
+                    f"({ll['pct_ceiling']:.0f}% of the ceiling, {'bit-exact' if ll.get('exact') else 'NOT exact'})")
+            if "bitfuse high" in v:
+                text += f", high {v['bitfuse high']['us']:.1f} µs ({v['bitfuse high']['pct_ceiling']:.0f}%)"
+            lines.append(text + ".")
     return lines + ([""] if lines else [])
 
 
 def render():
-    ops = sorted(glob.glob(os.path.join(RESULTS, "ops-*.json")))
-    ltx2 = [p for p in sorted(glob.glob(os.path.join(RESULTS, "ltx2-*.json"))) if "tokens" not in os.path.basename(p)]
-    out = headline(ops[0] if ops else None, ltx2[0] if ltx2 else None)
-    for path in sorted(glob.glob(os.path.join(RESULTS, "ops-*.json"))):
+    def found(pattern):
+        return sorted(glob.glob(os.path.join(RESULTS, pattern)))
+
+    models = [p for p in found("*.json") if _load(p).get("bench") == "models"]
+    ops = found("ops-*.json")
+    out = headline(ops[0] if ops else None, models)
+    for path in models:
+        out += models_section(path) + [""]
+    for path in ops:
         out += ops_section(path) + [""]
-    for path in sorted(glob.glob(os.path.join(RESULTS, "repeat", "ops-*.json"))):
-        res = json.load(open(path))
+    for path in found(os.path.join("repeat", "ops-*.json")):
+        res = _load(path)
         lines = against_compile(res["rows"])
         if lines:
-            out += [f"Repeat run on {res['gpu']} ({res['date']}, `{os.path.relpath(path, ROOT)}`): "
-                    + lines[-1][0].lower() + lines[-1][1:], ""]
-    for path in sorted(glob.glob(os.path.join(RESULTS, "norm-accuracy-*.json"))):
+            out += [f"Repeat run on {res['gpu']} ({res['date']}, {_src(path)}): " + lines[-1][0].lower()
+                    + lines[-1][1:], ""]
+    for path in found("norm-accuracy-*.json"):
         out += accuracy_section(path) + [""]
-    for path in sorted(glob.glob(os.path.join(RESULTS, "ltx2-*.json"))):
-        try:
-            out += ltx2_section(path) + [""]
-        except (KeyError, TypeError) as exc:
-            out += [f"(could not read {os.path.relpath(path, ROOT)}: {exc})", ""]
-    pngs = sorted(glob.glob(os.path.join(RESULTS, "*.png")))
+    pngs = found("*.png")
     if pngs:
         out.append("Plots: " + ", ".join(f"[{os.path.basename(p)}]({os.path.relpath(p, os.path.dirname(README))})"
                                          for p in pngs))
@@ -249,20 +320,24 @@ def render():
     return "\n".join(out).rstrip() + "\n"
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--check", action="store_true")
-    args = ap.parse_args()
-    text = open(README).read()
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if bench/README.md is out of date")
+    args = ap.parse_args(argv)
+    with open(README) as f:
+        text = f.read()
     if START not in text or END not in text:
-        sys.exit(f"{os.path.relpath(README, ROOT)} lacks the results markers")
+        print(f"{os.path.relpath(README, ROOT)} lacks the results markers", file=sys.stderr)
+        return 2
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
     new = head + START + "\n" + render() + END + tail
     if args.check:
-        sys.exit(0 if new == text else 1)
-    open(README, "w").write(new)
+        return 0 if new == text else 1
+    with open(README, "w") as f:
+        f.write(new)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -7,7 +7,8 @@ time over `calls` is the time of one call. This excludes host launch cost
 (measured separately by `host_us`) and avoids the artefact of flushing L2 by
 writing a buffer before each run (those dirty lines are written back during
 the timed kernel). Eager, torch.compile and bitfuse are timed the same way, in interleaved
-rounds (`interleaved_us`).
+rounds (`interleaved_us`): every variant once a round, the order rotated each round
+(`rotated`), so a drift of clocks or temperature during a run favours none.
 """
 
 from __future__ import annotations
@@ -83,16 +84,32 @@ def interleaved_us(timers: dict, rounds: int = 6, replays: int = 5) -> dict:
             for n, per_round in interleaved_samples(timers, rounds, replays).items()}
 
 
+def rotated(names: list, r: int) -> list:
+    """`names` in round `r`'s order: rotated left by r, so each is first once every
+    len(names) rounds."""
+    k = r % len(names) if names else 0
+    return list(names[k:]) + list(names[:k])
+
+
 def interleaved_samples(timers: dict, rounds: int = 6, replays: int = 5) -> dict:
     """{name: [the `replays` samples of round 0, of round 1, ...]}: every variant
     sampled once a round, the order rotated every round, so two variants can be
-    compared round by round (`paired_rounds`)."""
+    compared round by round (bench/report.py's `paired_rounds`)."""
     names = list(timers)
     samples = {n: [] for n in names}
     for r in range(rounds):
-        for n in names[r % len(names):] + names[:r % len(names)]:
+        for n in rotated(names, r):
             samples[n].append(timers[n].sample(replays))
     return samples
+
+
+def summary(values) -> dict:
+    """median, min and p90 (linear interpolation) of a list of samples, and n."""
+    values = sorted(values)
+    if not values:
+        return dict(median=None, min=None, p90=None, n=0)
+    p90 = statistics.quantiles(values, n=10, method="inclusive")[-1] if len(values) > 1 else values[0]
+    return dict(median=statistics.median(values), min=values[0], p90=p90, n=len(values))
 
 
 def pooled_rounds(samples: dict) -> dict:
@@ -108,16 +125,6 @@ def pooled_rounds(samples: dict) -> dict:
         for r, values in enumerate(per_round):
             rounds[r].extend(values)
     return pooled
-
-
-def paired_rounds(a: list, b: list) -> dict:
-    """Round-by-round comparison of two variants' per-round medians (`a`, `b`: one
-    value a round, from the same interleaved run): the median difference a - b,
-    and in how many rounds a was slower. "slower in every round" has probability
-    2**-rounds if neither is faster (one-sided sign test)."""
-    diffs = [x - y for x, y in zip(a, b)]
-    return dict(median_diff_us=round(statistics.median(diffs), 3), rounds=len(diffs),
-                rounds_slower=sum(d > 0 for d in diffs))
 
 
 def host_us(fn, n: int = 2000, repeats: int = 5) -> float:

@@ -1,12 +1,12 @@
 """The benchmark's interleaved timing, on fake timers (no GPU needed)."""
 
-import os
 import statistics
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+import pytest
 
-from timing import interleaved_samples, interleaved_us, paired_rounds, pooled_rounds  # noqa: E402
+from bench import report
+from bench.report import paired_rounds
+from bench.timing import interleaved_samples, interleaved_us, pooled_rounds, rotated, summary
 
 
 class FakeTimer:
@@ -40,13 +40,26 @@ def test_instances_of_a_variant_are_pooled_round_by_round():
     assert pooled_rounds(samples) == {"a": [[1, 2, 5], [3, 4, 6]], "b": [[7], [8]]}
 
 
+def test_rotation_puts_each_name_first_once_per_cycle():
+    names = ["a", "b", "c"]
+    assert [rotated(names, r) for r in range(4)] == [list("abc"), list("bca"), list("cab"), list("abc")]
+    assert rotated([], 3) == []
+
+
+def test_summary_statistics():
+    assert summary([3.0, 1.0, 2.0]) == dict(median=2.0, min=1.0, p90=2.8, n=3)
+    assert summary([5.0]) == dict(median=5.0, min=5.0, p90=5.0, n=1)
+    assert summary([]) == dict(median=None, min=None, p90=None, n=0)
+    ten = summary(range(1, 11))
+    assert ten["median"] == 5.5 and ten["p90"] == pytest.approx(9.1)
+
+
 def test_report_counts_shapes_slower_in_every_round_against_the_control():
-    import report
-
     def row(op, variant, us, rounds):
-        return dict(op=op, D=2048, S=1024, params="per-sample", variant=variant, us=us, rounds_us=rounds)
+        return dict(op=op, D=2048, S=1024, layout="per-sample", variant=variant, us=us, rounds_us=rounds)
 
-    rows = [row("modulate", "bitfuse lossless", 3.5, [3.5, 3.6, 3.4]), row("modulate", "compile+emulate", 3.4, [3.4, 3.5, 3.5]),
+    rows = [row("modulate", "bitfuse lossless", 3.5, [3.5, 3.6, 3.4]),
+            row("modulate", "compile+emulate", 3.4, [3.4, 3.5, 3.5]),
             row("gated_residual", "bitfuse lossless", 4.7, [4.7, 4.8, 4.7]),
             row("gated_residual", "compile+emulate", 4.6, [4.6, 4.6, 4.6])]
     (text,) = [line for line in report.against_compile(rows) if line]
