@@ -40,6 +40,9 @@ __all__ = [
 #: name, so that diffusers is imported only when such a model is actually passed
 _REGISTRY = {
     "LTX2VideoTransformer3DModel": "bitfuse.models.ltx2",
+    "FluxTransformer2DModel": "bitfuse.models.flux",
+    "Flux2Transformer2DModel": "bitfuse.models.flux2",
+    "ModelMixin": "bitfuse.models.adaln",  # any other diffusers model: its shared adaLN modules
 }
 
 
