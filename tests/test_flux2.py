@@ -321,3 +321,19 @@ def test_installed_diffusers_is_the_verified_one():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert flux2.SOURCES.check() == []
+
+
+def test_cuda_graphs_wrap_and_restore():
+    """accelerate(cuda_graphs=True) (emulated capture on CPU), per token: one graph, replayed
+    with new inputs each call, stock bits (the KV cache included); restore() removes it all."""
+    from bitfuse import graphs
+
+    model = _model()
+    cases = [make_inputs(model, batch=2, per_sample_t=True, ref_tokens=3, seed=s, **SMALL) for s in range(3)]
+    refs = [_run(model, kw) for kw in cases]
+    backend = graphs.EmulatedGraphBackend()
+    with bitfuse.accelerate(model, cuda_graphs=True, backend=backend, warmup=1) as handle:
+        for kw, ref in zip(cases, refs):
+            _assert_equal(_run(model, kw), ref)
+        assert backend.captures == 1 and backend.replays == 3
+    assert handle.graphs is None and _is_stock(model)
