@@ -38,7 +38,18 @@ def _one_thread():
 
 
 def _model(variant="dev", dtype=torch.float32, seed=0, **overrides):
-    return build_model(tiny_config(variant, **overrides), dtype=dtype, seed=seed)
+    model = build_model(tiny_config(variant, **overrides), dtype=dtype, seed=seed)
+    _random_norm_weights(model)
+    return model
+
+
+def _random_norm_weights(model):
+    """The q/k RMSNorm weights initialise to ones: draw them, so that a mix-up shows."""
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.RMSNorm):
+                m.weight.copy_(1 + 0.5 * torch.randn(m.weight.shape, generator=gen))
 
 
 def _run(model, kwargs):
@@ -129,6 +140,31 @@ def test_sites_change_the_output_when_they_change(monkeypatch):
     with bitfuse.accelerate(model):
         out = _run(model, kw)
     assert not torch.equal(out[0], ref[0])
+
+
+def test_processors_route_the_qk_norms_and_rope_and_come_back(monkeypatch):
+    """FluxAttnProcessor instances switch class (keeping their backend setting) and send
+    their q/k norms and RoPE through qk_norm_rope: with the text stream in double blocks,
+    without it in single blocks. Another processor class is left alone."""
+    model = _model()
+    kw = make_inputs(model, batch=2, per_sample_t=True, **SMALL)
+    ref = _run(model, kw)
+    mine = type("Mine", (diffusers.models.transformers.transformer_flux.FluxAttnProcessor,), {})()
+    model.single_transformer_blocks[1].attn.set_processor(mine)
+    processors = {id(m): m.processor for m in model.modules() if hasattr(m, "processor")}
+    for p in processors.values():
+        p._attention_backend = "native"
+    calls = []
+    real = flux.qk_norm_rope
+    monkeypatch.setattr(flux, "qk_norm_rope", lambda attn, q, k, eq, ek, rope: (
+        calls.append(eq is not None), real(attn, q, k, eq, ek, rope))[1])
+    with bitfuse.accelerate(model):
+        assert [type(m.processor).__name__ for m in model.modules() if hasattr(m, "processor")] == [
+            "_AttnProcessor"] * 3 + ["Mine"]
+        _assert_equal(_run(model, kw), ref)
+    assert calls == [True, True, False]
+    assert all(m.processor is processors[id(m)] and type(m.processor).__module__ != "bitfuse.models.flux"
+               and m.processor._attention_backend == "native" for m in model.modules() if hasattr(m, "processor"))
 
 
 # ---------------------------------------------------------------- every site goes through bitfuse

@@ -38,10 +38,16 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def _model(dtype=torch.float32, seed=0, kv=True, **overrides):
+def _model(dtype=torch.float32, seed=0, kv=False, **overrides):
+    """kv: the KV-cache processors (bitfuse leaves them alone), for reference tokens."""
     model = build_model(tiny_config(**overrides), dtype=dtype, seed=seed)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # the q/k RMSNorm weights initialise to ones: draw them, so that a mix-up shows
+        for m in model.modules():
+            if isinstance(m, torch.nn.RMSNorm):
+                m.weight.copy_(1 + 0.5 * torch.randn(m.weight.shape, generator=gen))
     if kv:
-        use_kv_processors(model)  # without KV arguments they compute as the default processors
+        use_kv_processors(model)
     return model
 
 
@@ -98,20 +104,48 @@ def _outliers(kw, channels=(1, 5), factor=300.0):
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_identity(dtype, quality):
     """Per-sample timesteps, the pipeline's shared one, no guidance (Klein), odd token
-    counts, outlier channels, and per-token modulation (KV extract with reference tokens)."""
+    counts, outlier channels; then with the KV processors, per-token modulation (KV
+    extract with reference tokens)."""
     model = _model(DTYPES[dtype])
     cases = [
         make_inputs(model, batch=2, per_sample_t=True, **SMALL),
         make_inputs(model, batch=1, height=48, width=80, text_tokens=7, guidance_scale=None, seed=1),
         _outliers(make_inputs(model, batch=3, per_sample_t=True, seed=2, **SMALL)),
-        make_inputs(model, batch=2, per_sample_t=True, ref_tokens=3, seed=3, **SMALL),
     ]
     _check_identity(model, cases, quality)
+    use_kv_processors(model)
+    _check_identity(model, [make_inputs(model, batch=2, per_sample_t=True, ref_tokens=3, seed=3, **SMALL)], quality)
 
 
-def test_identity_default_processors_and_no_guidance_embedding():
-    model = _model(torch.bfloat16, kv=False, guidance_embeds=False)
+def test_identity_without_a_guidance_embedding():
+    model = _model(torch.bfloat16, guidance_embeds=False)
     _check_identity(model, [make_inputs(model, batch=2, per_sample_t=True, guidance_scale=None, **SMALL)])
+
+
+def test_processors_route_the_qk_norms_and_rope_and_come_back(monkeypatch):
+    """The default processors switch class (keeping their backend setting) and send their
+    q/k norms and RoPE through flux.qk_norm_rope: per attention, with the text stream in
+    double blocks, without it in single blocks. The KV processors are left alone."""
+    model = _model()
+    kw = make_inputs(model, batch=2, per_sample_t=True, **SMALL)
+    ref = _run(model, kw)
+    processors = {id(m): m.processor for m in model.modules() if hasattr(m, "processor")}
+    for p in processors.values():
+        p._attention_backend = "native"
+    calls = []
+    real = flux2.qk_norm_rope
+    monkeypatch.setattr(flux2, "qk_norm_rope", lambda attn, q, k, eq, ek, rope: (
+        calls.append(eq is not None), real(attn, q, k, eq, ek, rope))[1])
+    with bitfuse.accelerate(model):
+        assert {type(p).__name__ for p in processors.values()} == {"_AttnProcessor", "_ParallelSelfAttnProcessor"}
+        _assert_equal(_run(model, kw), ref)
+    assert calls == [True] * 2 + [False] * 2
+    assert all(m.processor is processors[id(m)] and type(m.processor).__module__.startswith("diffusers.")
+               and m.processor._attention_backend == "native" for m in model.modules() if hasattr(m, "processor"))
+    use_kv_processors(model)
+    with bitfuse.accelerate(model):
+        assert all(type(m.processor).__module__.startswith("diffusers.") for m in model.modules()
+                   if hasattr(m, "processor"))
 
 
 def test_sites_change_the_output_when_they_change(monkeypatch):
@@ -174,7 +208,7 @@ def _is_view_in_place(p: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("ref_tokens", [0, 3], ids=["per-sample", "per-token"])
 def test_every_adaln_site_is_routed(monkeypatch, ref_tokens):
-    model = _model()
+    model = _model(kv=bool(ref_tokens))
     kw = make_inputs(model, batch=2, per_sample_t=True, ref_tokens=ref_tokens, **SMALL)
     ref = _run(model, kw)
     with _recording_sites(monkeypatch) as records:
@@ -202,7 +236,7 @@ def test_every_adaln_site_is_routed(monkeypatch, ref_tokens):
 
 
 def test_quality_high_mounts_on_every_site(monkeypatch):
-    model = _model(torch.bfloat16)
+    model = _model(torch.bfloat16, kv=True)
     kw = make_inputs(model, batch=2, per_sample_t=True, ref_tokens=3, **SMALL)
     ref = _run(model, kw)
     with bitfuse.accelerate(model, quality="high"):
@@ -226,7 +260,7 @@ def test_pointwise_kernels_run_on_the_models_operands(monkeypatch):
     kernels (CUDA's reduction order) fall back to eager on CPU. Output: stock's."""
     pytest.importorskip("triton")
     monkeypatch.setattr(_params, "INTERPRET_ON_CPU", True)
-    model = _model()
+    model = _model(kv=True)
     kw = make_inputs(model, batch=2, per_sample_t=True, ref_tokens=3, **SMALL)
     ref = _run(model, kw)
     with bitfuse.accelerate(model), warnings.catch_warnings():
@@ -243,7 +277,7 @@ def test_pointwise_kernels_run_on_the_models_operands(monkeypatch):
 
 def test_compile_sees_the_plain_expressions():
     torch._dynamo.reset()
-    model = _model(torch.bfloat16, kv=False)
+    model = _model(torch.bfloat16)
     kw = make_inputs(model, batch=2, per_sample_t=True, **SMALL)
     ref = _run(model, kw)
     graphs = []
@@ -261,7 +295,7 @@ def test_compile_sees_the_plain_expressions():
 
 def test_compile_with_graph_breaks_equals_stock():
     torch._dynamo.reset()
-    model = _model(torch.bfloat16)
+    model = _model(torch.bfloat16, kv=True)
     kw = make_inputs(model, batch=2, per_sample_t=True, ref_tokens=3, **SMALL)
     ref = _run(model, kw)
     with bitfuse.accelerate(model):
@@ -294,7 +328,7 @@ def test_flux2_pipeline_output_is_bit_identical():
         layers_per_block=1, norm_num_groups=4, sample_size=16,
     ).eval()
     pipe = diffusers.Flux2Pipeline(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=vae,
-                                   text_encoder=None, tokenizer=None, transformer=_model(kv=False))
+                                   text_encoder=None, tokenizer=None, transformer=_model())
     pipe.set_progress_bar_config(disable=True)
 
     def generate():
@@ -328,7 +362,7 @@ def test_cuda_graphs_wrap_and_restore():
     with new inputs each call, stock bits (the KV cache included); restore() removes it all."""
     from bitfuse import graphs
 
-    model = _model()
+    model = _model(kv=True)
     cases = [make_inputs(model, batch=2, per_sample_t=True, ref_tokens=3, seed=s, **SMALL) for s in range(3)]
     refs = [_run(model, kw) for kw in cases]
     backend = graphs.EmulatedGraphBackend()

@@ -18,8 +18,12 @@ line kept above its replacement as a `# diffusers:` comment:
 The gated residuals are eager's two roundings (the product, then the sum); the
 product commutes bitwise, so `gate * y` is the site's `y * gate`.
 
-Attention (`FluxAttnProcessor`: q/k RMSNorm with weight, then RoPE) is diffusers'
-own, untouched: see `PROCESSORS` for where a processor copy joins.
+The attention processor (`FluxAttnProcessor`) is copied too, with one change: its
+q/k RMSNorms (weighted), the text-first concatenation of query and key and RoPE
+run in one function, `qk_norm_rope`, which today calls diffusers' own modules and
+`apply_rotary_emb` (the same bits) and is where a fused q/k-norm + RoPE op joins.
+A processor instance switches `__class__` to the copy, keeping its backend
+settings; any other processor (IP-Adapter's, a user's) is left alone.
 
 `accelerate` checks the diffusers version (0.42.x) and the sha256 of every copied
 function (`SOURCES`, the adaLN copies included), and refuses otherwise unless `force=True`.
@@ -30,7 +34,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.transformers import transformer_flux as _flux_module
 from diffusers.models.transformers.transformer_flux import (
+    FluxAttention,
+    FluxAttnProcessor,
     FluxSingleTransformerBlock,
     FluxTransformer2DModel,
     FluxTransformerBlock,
@@ -39,7 +47,16 @@ from diffusers.models.transformers.transformer_flux import (
 from .. import sites
 from . import _install, adaln
 
-__all__ = ["VERIFIED_SOURCES", "COPIES", "SOURCES", "PROCESSORS", "FluxHandle", "accelerate", "stock_functions"]
+__all__ = [
+    "VERIFIED_SOURCES",
+    "COPIES",
+    "SOURCES",
+    "PROCESSORS",
+    "FluxHandle",
+    "accelerate",
+    "qk_norm_rope",
+    "stock_functions",
+]
 
 #: sha256 of `inspect.getsource` of each diffusers function copied here (and by `adaln`),
 #: as shipped in diffusers 0.42.1
@@ -47,6 +64,9 @@ VERIFIED_SOURCES = {
     **adaln.VERIFIED_SOURCES,
     "FluxTransformerBlock.forward": "0b184cbe172708b6f072a779e13866a44ef5a8ee706fcd3e6887923b11c00785",
     "FluxSingleTransformerBlock.forward": "57350a6dab842b40e0d677b9c42794c17e45907ad45991d36dba69d89096a37b",
+    "FluxAttnProcessor.__call__": "d5b36134887ebe450b6c15f200bf33f781ba8258201d25caceb16bb9bc07d2c9",
+    # qk_norm_rope reproduces it (the RoPE of every FLUX.1 and FLUX.2 attention)
+    "apply_rotary_emb": "a25267d425f8c5eaa84151b6914e988cdd0ad0b857bb74495477a3644c819164",
 }
 
 
@@ -56,6 +76,8 @@ def stock_functions() -> dict:
         **adaln.stock_functions(),
         "FluxTransformerBlock.forward": FluxTransformerBlock.forward,
         "FluxSingleTransformerBlock.forward": FluxSingleTransformerBlock.forward,
+        "FluxAttnProcessor.__call__": FluxAttnProcessor.__call__,
+        "apply_rotary_emb": apply_rotary_emb,
     }
 
 
@@ -169,16 +191,120 @@ def _single_block_forward(
     return encoder_hidden_states, hidden_states
 
 
+# ---------------------------------------------------------------- attention
+
+
+def qk_norm_rope(attn, query, key, encoder_query, encoder_key, image_rotary_emb):
+    """The q/k RMSNorm and RoPE of a FLUX.1 / FLUX.2 attention, as diffusers computes them:
+    the place where a fused q/k-norm + RoPE op joins (today: diffusers' own calls).
+
+    attn: the attention module; its `norm_q` / `norm_k` (and, with a text stream,
+        `norm_added_q` / `norm_added_k`) are `torch.nn.RMSNorm(head_dim, eps=1e-6)` with
+        a [head_dim] weight (the model's dtype).
+    query, key: [B, S_img, H, head_dim] image-stream projections (unflattened views of the
+        projection output, or of its chunks for fused projections).
+    encoder_query, encoder_key: [B, S_txt, H, head_dim] text-stream projections, or None
+        (single-stream blocks: the text is already part of query/key).
+    image_rotary_emb: None, or (cos, sin), each [S_txt + S_img, head_dim] fp32 (FluxPosEmbed
+        over `cat(txt_ids, img_ids)`: interleaved pairs, cos/sin repeated per pair), for the
+        text-first concatenation.
+    Returns (query, key): [B, S_txt + S_img, H, head_dim] of the input dtype, text first:
+    `rope(cat(norm_added(enc), norm(x)))` per diffusers' `apply_rotary_emb(x, (cos, sin),
+    sequence_dim=1)`: `(x.float() * cos + rotated.float() * sin).to(x.dtype)`, rotated
+    pairs `(-x1, x0)`."""
+    query = attn.norm_q(query)
+    key = attn.norm_k(key)
+    if encoder_query is not None:
+        query = torch.cat([attn.norm_added_q(encoder_query), query], dim=1)
+        key = torch.cat([attn.norm_added_k(encoder_key), key], dim=1)
+    if image_rotary_emb is not None:
+        query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+        key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+    return query, key
+
+
+class _AttnProcessor(FluxAttnProcessor):
+    """diffusers 0.42.1 `FluxAttnProcessor.__call__`, the q/k norms and RoPE through
+    `qk_norm_rope`. A FluxAttnProcessor instance switches `__class__` to this one on
+    accelerate (keeping its attention backend) and back on restore."""
+
+    def __call__(
+        self,
+        attn: "FluxAttention",
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # diffusers: query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
+        query, key, value, encoder_query, encoder_key, encoder_value = _flux_module._get_qkv_projections(
+            attn, hidden_states, encoder_hidden_states
+        )
+
+        # Reshape by a fixed `head_dim` and let `-1` absorb the head count. Under tensor parallelism each rank
+        # holds a column-sharded slice (`attn.heads // tp_degree` heads); this keeps the processor TP-agnostic.
+        query = query.unflatten(-1, (-1, attn.head_dim))
+        key = key.unflatten(-1, (-1, attn.head_dim))
+        value = value.unflatten(-1, (-1, attn.head_dim))
+
+        # diffusers: query = attn.norm_q(query)
+        # diffusers: key = attn.norm_k(key)
+        # bitfuse: the norms, the text-first concatenation of query and key and RoPE run in qk_norm_rope,
+        # bitfuse: after the value's concatenation (independent of them: the same values)
+        encoder_qk = (None, None)
+
+        if attn.added_kv_proj_dim is not None:
+            encoder_query = encoder_query.unflatten(-1, (-1, attn.head_dim))
+            encoder_key = encoder_key.unflatten(-1, (-1, attn.head_dim))
+            encoder_value = encoder_value.unflatten(-1, (-1, attn.head_dim))
+
+            # diffusers: encoder_query = attn.norm_added_q(encoder_query)
+            # diffusers: encoder_key = attn.norm_added_k(encoder_key)
+            # diffusers: query = torch.cat([encoder_query, query], dim=1)
+            # diffusers: key = torch.cat([encoder_key, key], dim=1)
+            encoder_qk = (encoder_query, encoder_key)
+            value = torch.cat([encoder_value, value], dim=1)
+
+        # diffusers: if image_rotary_emb is not None:
+        # diffusers:     query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+        # diffusers:     key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        query, key = qk_norm_rope(attn, query, key, *encoder_qk, image_rotary_emb)
+
+        # diffusers: hidden_states = dispatch_attention_fn(
+        hidden_states = _flux_module.dispatch_attention_fn(
+            query,
+            key,
+            value,
+            attn_mask=attention_mask,
+            backend=self._attention_backend,
+            parallel_config=self._parallel_config,
+        )
+        hidden_states = hidden_states.flatten(2, 3)
+        hidden_states = hidden_states.to(query.dtype)
+
+        if encoder_hidden_states is not None:
+            encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
+                [encoder_hidden_states.shape[1], hidden_states.shape[1] - encoder_hidden_states.shape[1]], dim=1
+            )
+            hidden_states = attn.to_out[0](hidden_states.contiguous())
+            hidden_states = attn.to_out[1](hidden_states)
+            encoder_hidden_states = attn.to_add_out(encoder_hidden_states.contiguous())
+
+            return hidden_states, encoder_hidden_states
+        else:
+            return hidden_states
+
+
 #: our line-for-line copies, by the stock name they copy (tests/test_copies.py diffs them)
 COPIES = {
     "FluxTransformerBlock.forward": _block_forward,
     "FluxSingleTransformerBlock.forward": _single_block_forward,
+    "FluxAttnProcessor.__call__": _AttnProcessor.__call__,
 }
 
-#: stock attention processor class -> ours. Empty: FluxAttnProcessor stays diffusers'.
-#: A copy routing the q/k RMSNorm + RoPE through a site joins here (and its __call__ in
-#: VERIFIED_SOURCES / COPIES); `_install.accelerate` switches each processor instance's class.
-PROCESSORS: dict[type, type] = {}
+#: stock attention processor class -> ours; a processor of any other class (IP-Adapter's,
+#: a user's) is left alone
+PROCESSORS = {FluxAttnProcessor: _AttnProcessor}
 
 SOURCES = _install.CopiedSources(
     "FLUX.1", release="0.42", copied_from="0.42.1", sha256=VERIFIED_SOURCES, stock=stock_functions,

@@ -21,9 +21,10 @@ comment. Each replacement is the same sequence of roundings as the site's:
            the product, then the sum, one rounding each
 
 The output norm is diffusers' AdaLayerNormContinuous (LayerNorm without affine or
-bias), replaced as `adaln` replaces it. Attention (`Flux2AttnProcessor`,
-`Flux2ParallelSelfAttnProcessor` and their KV-cache variants) is diffusers' own,
-untouched: see `PROCESSORS`.
+bias), replaced as `adaln` replaces it. The default attention processors
+(`Flux2AttnProcessor`, `Flux2ParallelSelfAttnProcessor`) are copied with their q/k
+norms and RoPE through `flux.qk_norm_rope` (see `flux`); the KV-cache processors
+and any other are left alone.
 
 `accelerate` checks the diffusers version (0.42.x) and the sha256 of every copied
 function (`SOURCES`), and refuses otherwise unless `force=True`.
@@ -34,8 +35,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from diffusers.models.transformers import transformer_flux2 as _flux2_module
 from diffusers.models.transformers.transformer_flux2 import (
+    Flux2Attention,
+    Flux2AttnProcessor,
     Flux2Modulation,
+    Flux2ParallelSelfAttention,
+    Flux2ParallelSelfAttnProcessor,
     Flux2SingleTransformerBlock,
     Flux2Transformer2DModel,
     Flux2TransformerBlock,
@@ -43,6 +49,7 @@ from diffusers.models.transformers.transformer_flux2 import (
 
 from .. import sites
 from . import _install, adaln
+from .flux import qk_norm_rope
 
 __all__ = ["VERIFIED_SOURCES", "COPIES", "SOURCES", "PROCESSORS", "Flux2Handle", "accelerate", "stock_functions"]
 
@@ -52,6 +59,8 @@ VERIFIED_SOURCES = {
     **adaln.VERIFIED_SOURCES,
     "Flux2TransformerBlock.forward": "b5d26783a67cbd6d1aa653a079628c39992dc713d5606a8f6cc1f93fe00d352c",
     "Flux2SingleTransformerBlock.forward": "e1baa440356a9b3ac7a541298b9b1adcc95e41ea988d18d8c211c40b396085be",
+    "Flux2AttnProcessor.__call__": "2106c36979e28f30596b36f591819420bfd2f67f346a8a038cbd355f0cf5737d",
+    "Flux2ParallelSelfAttnProcessor.__call__": "18a20dca474518356a19cfa834bd9ad201f5daa9836973fcffd795e1b4b0a280",
 }
 
 
@@ -61,6 +70,8 @@ def stock_functions() -> dict:
         **adaln.stock_functions(),
         "Flux2TransformerBlock.forward": Flux2TransformerBlock.forward,
         "Flux2SingleTransformerBlock.forward": Flux2SingleTransformerBlock.forward,
+        "Flux2AttnProcessor.__call__": Flux2AttnProcessor.__call__,
+        "Flux2ParallelSelfAttnProcessor.__call__": Flux2ParallelSelfAttnProcessor.__call__,
     }
 
 
@@ -184,15 +195,152 @@ def _single_block_forward(
         return hidden_states
 
 
+# ---------------------------------------------------------------- attention
+
+
+class _AttnProcessor(Flux2AttnProcessor):
+    """diffusers 0.42.1 `Flux2AttnProcessor.__call__` (double-stream blocks), the q/k norms
+    and RoPE through `flux.qk_norm_rope` (installed as flux._AttnProcessor is)."""
+
+    def __call__(
+        self,
+        attn: "Flux2Attention",
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # diffusers: query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
+        query, key, value, encoder_query, encoder_key, encoder_value = _flux2_module._get_qkv_projections(
+            attn, hidden_states, encoder_hidden_states
+        )
+
+        # Reshape by a fixed `head_dim` and let `-1` absorb the head count. Under tensor parallelism each rank
+        # holds a column-sharded slice (`attn.heads // tp_degree` heads); this keeps the processor TP-agnostic.
+        query = query.unflatten(-1, (-1, attn.head_dim))
+        key = key.unflatten(-1, (-1, attn.head_dim))
+        value = value.unflatten(-1, (-1, attn.head_dim))
+
+        # diffusers: query = attn.norm_q(query)
+        # diffusers: key = attn.norm_k(key)
+        # bitfuse: the norms, the text-first concatenation of query and key and RoPE run in qk_norm_rope,
+        # bitfuse: after the value's concatenation (independent of them: the same values)
+        encoder_qk = (None, None)
+
+        if attn.added_kv_proj_dim is not None:
+            encoder_query = encoder_query.unflatten(-1, (-1, attn.head_dim))
+            encoder_key = encoder_key.unflatten(-1, (-1, attn.head_dim))
+            encoder_value = encoder_value.unflatten(-1, (-1, attn.head_dim))
+
+            # diffusers: encoder_query = attn.norm_added_q(encoder_query)
+            # diffusers: encoder_key = attn.norm_added_k(encoder_key)
+            # diffusers: query = torch.cat([encoder_query, query], dim=1)
+            # diffusers: key = torch.cat([encoder_key, key], dim=1)
+            encoder_qk = (encoder_query, encoder_key)
+            value = torch.cat([encoder_value, value], dim=1)
+
+        # diffusers: if image_rotary_emb is not None:
+        # diffusers:     query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+        # diffusers:     key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        query, key = qk_norm_rope(attn, query, key, *encoder_qk, image_rotary_emb)
+
+        # diffusers: hidden_states = dispatch_attention_fn(
+        hidden_states = _flux2_module.dispatch_attention_fn(
+            query,
+            key,
+            value,
+            attn_mask=attention_mask,
+            backend=self._attention_backend,
+            parallel_config=self._parallel_config,
+        )
+        hidden_states = hidden_states.flatten(2, 3)
+        hidden_states = hidden_states.to(query.dtype)
+
+        if encoder_hidden_states is not None:
+            encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
+                [encoder_hidden_states.shape[1], hidden_states.shape[1] - encoder_hidden_states.shape[1]], dim=1
+            )
+            encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
+
+        hidden_states = attn.to_out[0](hidden_states)
+        hidden_states = attn.to_out[1](hidden_states)
+
+        if encoder_hidden_states is not None:
+            return hidden_states, encoder_hidden_states
+        else:
+            return hidden_states
+
+
+class _ParallelSelfAttnProcessor(Flux2ParallelSelfAttnProcessor):
+    """diffusers 0.42.1 `Flux2ParallelSelfAttnProcessor.__call__` (single-stream blocks),
+    the q/k norms and RoPE through `flux.qk_norm_rope`."""
+
+    def __call__(
+        self,
+        attn: "Flux2ParallelSelfAttention",
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # Parallel in (QKV + MLP in) projection
+        hidden_states = attn.to_qkv_mlp_proj(hidden_states)
+
+        # Split the fused output into its QKV and MLP halves by their global ratio, so the same code path works
+        # whether or not `to_qkv_mlp_proj` is column-sharded (PackedColwiseParallel shards each block, so every
+        # rank's contiguous slice keeps the QKV and MLP chunks proportional). No tensor-parallel state is read here.
+        qkv_dim = 3 * attn.inner_dim
+        mlp_dim = attn.mlp_hidden_dim * attn.mlp_mult_factor
+        local_qkv = hidden_states.shape[-1] * qkv_dim // (qkv_dim + mlp_dim)
+        qkv, mlp_hidden_states = torch.split(hidden_states, [local_qkv, hidden_states.shape[-1] - local_qkv], dim=-1)
+
+        # Handle the attention logic
+        query, key, value = qkv.chunk(3, dim=-1)
+
+        query = query.unflatten(-1, (-1, attn.head_dim))
+        key = key.unflatten(-1, (-1, attn.head_dim))
+        value = value.unflatten(-1, (-1, attn.head_dim))
+
+        # diffusers: query = attn.norm_q(query)
+        # diffusers: key = attn.norm_k(key)
+        # diffusers:
+        # diffusers: if image_rotary_emb is not None:
+        # diffusers:     query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+        # diffusers:     key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        query, key = qk_norm_rope(attn, query, key, None, None, image_rotary_emb)
+
+        # diffusers: hidden_states = dispatch_attention_fn(
+        hidden_states = _flux2_module.dispatch_attention_fn(
+            query,
+            key,
+            value,
+            attn_mask=attention_mask,
+            backend=self._attention_backend,
+            parallel_config=self._parallel_config,
+        )
+        hidden_states = hidden_states.flatten(2, 3)
+        hidden_states = hidden_states.to(query.dtype)
+
+        # Handle the feedforward (FF) logic
+        mlp_hidden_states = attn.mlp_act_fn(mlp_hidden_states)
+
+        # Concatenate and parallel output projection
+        hidden_states = torch.cat([hidden_states, mlp_hidden_states], dim=-1)
+        hidden_states = attn.to_out(hidden_states)
+
+        return hidden_states
+
+
 #: our line-for-line copies, by the stock name they copy (tests/test_copies.py diffs them)
 COPIES = {
     "Flux2TransformerBlock.forward": _block_forward,
     "Flux2SingleTransformerBlock.forward": _single_block_forward,
+    "Flux2AttnProcessor.__call__": _AttnProcessor.__call__,
+    "Flux2ParallelSelfAttnProcessor.__call__": _ParallelSelfAttnProcessor.__call__,
 }
 
-#: stock attention processor class -> ours. Empty: diffusers' processors stay; a copy
-#: routing the q/k RMSNorm + RoPE through a site joins here (see flux.PROCESSORS).
-PROCESSORS: dict[type, type] = {}
+#: stock attention processor class -> ours; any other processor (the KV-cache ones of the
+#: Klein KV pipeline, a user's) is left alone
+PROCESSORS = {Flux2AttnProcessor: _AttnProcessor, Flux2ParallelSelfAttnProcessor: _ParallelSelfAttnProcessor}
 
 SOURCES = _install.CopiedSources(
     "FLUX.2", release="0.42", copied_from="0.42.1", sha256=VERIFIED_SOURCES, stock=stock_functions,
