@@ -117,6 +117,7 @@ def _block_forward(
     # Process attention outputs for the `hidden_states`.
     # diffusers: attn_output = gate_msa.unsqueeze(1) * attn_output
     # diffusers: hidden_states = hidden_states + attn_output
+    # bitfuse: the site's x + y * gate: the product (commuted: the same IEEE product), then the sum, one rounding each
     hidden_states = sites.gated_residual_site(hidden_states, attn_output, gate_msa.unsqueeze(1))
 
     # diffusers: norm_hidden_states = self.norm2(hidden_states)
@@ -183,6 +184,7 @@ def _single_block_forward(
     gate = gate.unsqueeze(1)
     # diffusers: hidden_states = gate * self.proj_out(hidden_states)
     # diffusers: hidden_states = residual + hidden_states
+    # bitfuse: the site's x + y * gate: the product (commuted: the same IEEE product), then the sum, one rounding each
     hidden_states = sites.gated_residual_site(residual, self.proj_out(hidden_states), gate)
     if hidden_states.dtype == torch.float16:
         hidden_states = hidden_states.clip(-65504, 65504)
@@ -321,7 +323,8 @@ class FluxHandle(adaln.AdaLNHandle):
 
 
 def _sites(model) -> list:
-    blocks = [(f"transformer_blocks.{i}", b, (b.norm2, b.norm2_context)) for i, b in enumerate(model.transformer_blocks)]
+    blocks = [(f"transformer_blocks.{i}", b, (b.norm2, b.norm2_context))
+              for i, b in enumerate(model.transformer_blocks)]
     return adaln.adaln_sites(model) + blocks
 
 

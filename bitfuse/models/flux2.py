@@ -48,7 +48,7 @@ from diffusers.models.transformers.transformer_flux2 import (
 )
 
 from .. import sites
-from . import _install, adaln
+from . import _install, adaln, flux
 from .flux import qk_norm_rope
 
 __all__ = ["VERIFIED_SOURCES", "COPIES", "SOURCES", "PROCESSORS", "Flux2Handle", "accelerate", "stock_functions"]
@@ -61,6 +61,8 @@ VERIFIED_SOURCES = {
     "Flux2SingleTransformerBlock.forward": "e1baa440356a9b3ac7a541298b9b1adcc95e41ea988d18d8c211c40b396085be",
     "Flux2AttnProcessor.__call__": "2106c36979e28f30596b36f591819420bfd2f67f346a8a038cbd355f0cf5737d",
     "Flux2ParallelSelfAttnProcessor.__call__": "18a20dca474518356a19cfa834bd9ad201f5daa9836973fcffd795e1b4b0a280",
+    # flux.qk_norm_rope reproduces it
+    "apply_rotary_emb": flux.VERIFIED_SOURCES["apply_rotary_emb"],
 }
 
 
@@ -72,6 +74,7 @@ def stock_functions() -> dict:
         "Flux2SingleTransformerBlock.forward": Flux2SingleTransformerBlock.forward,
         "Flux2AttnProcessor.__call__": Flux2AttnProcessor.__call__,
         "Flux2ParallelSelfAttnProcessor.__call__": Flux2ParallelSelfAttnProcessor.__call__,
+        "apply_rotary_emb": _flux2_module.apply_rotary_emb,
     }
 
 
@@ -122,6 +125,7 @@ def _block_forward(
     # Process attention outputs for the image stream (`hidden_states`).
     # diffusers: attn_output = gate_msa * attn_output
     # diffusers: hidden_states = hidden_states + attn_output
+    # bitfuse: the site's x + y * gate: the product (commuted: the same IEEE product), then the sum, one rounding each
     hidden_states = sites.gated_residual_site(hidden_states, attn_output, gate_msa)
 
     # diffusers: norm_hidden_states = self.norm2(hidden_states)
@@ -184,6 +188,7 @@ def _single_block_forward(
     )
 
     # diffusers: hidden_states = hidden_states + mod_gate * attn_output
+    # bitfuse: the site's x + y * gate: the product (commuted: the same IEEE product), then the sum, one rounding each
     hidden_states = sites.gated_residual_site(hidden_states, attn_output, mod_gate)
     if hidden_states.dtype == torch.float16:
         hidden_states = hidden_states.clip(-65504, 65504)
@@ -302,7 +307,6 @@ class _ParallelSelfAttnProcessor(Flux2ParallelSelfAttnProcessor):
 
         # diffusers: query = attn.norm_q(query)
         # diffusers: key = attn.norm_k(key)
-        # diffusers:
         # diffusers: if image_rotary_emb is not None:
         # diffusers:     query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
         # diffusers:     key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
