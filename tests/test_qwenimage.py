@@ -22,7 +22,7 @@ diffusers = pytest.importorskip("diffusers")
 
 import bitfuse  # noqa: E402
 from bitfuse import policy, sites  # noqa: E402
-from bitfuse.models import UnsupportedVersionError, qwenimage  # noqa: E402
+from bitfuse.models import UnsupportedVersionError, adaln, qwenimage  # noqa: E402
 from bitfuse.models.qwenimage_configs import (  # noqa: E402
     VARIANTS,
     build_model,
@@ -397,7 +397,7 @@ def test_restore_is_complete_and_idempotent():
     stock_norm_out = model.norm_out.forward
     handle = bitfuse.accelerate(model)
     assert model.transformer_blocks[0].forward.__func__ is qwenimage._block_forward
-    assert model.norm_out.forward.__func__ is qwenimage._norm_out_forward
+    assert model.norm_out.forward.__func__ is adaln.FORWARDS[type(model.norm_out)]
     handle.restore()
     handle.restore()
     assert _is_stock(model) and not handle.active and model.norm_out.forward == stock_norm_out

@@ -1,7 +1,12 @@
 """Model support: `accelerate(model)` dispatches on the model's type.
 
-Supported: diffusers' `LTX2VideoTransformer3DModel` (diffusers 0.42.x), see
-`bitfuse.models.ltx2`. A diffusers pipeline is accepted too: its `.transformer`
+Supported (diffusers 0.42.x): `LTX2VideoTransformer3DModel` (`models.ltx2`),
+`FluxTransformer2DModel` (`models.flux`), `Flux2Transformer2DModel`
+(`models.flux2`), `QwenImageTransformer2DModel` (`models.qwenimage`), and any
+other diffusers model through the shared adaLN modules it holds
+(`AdaLayerNormZero`, `AdaLayerNormZeroSingle`, `AdaLayerNormContinuous`,
+`SD35AdaLayerNormZeroX`: `models.adaln`; a model with none is refused). A
+diffusers pipeline is accepted too: its `.transformer`
 is accelerated (the handle keeps the pipeline as `.pipeline`). A model wrapped
 by `torch.compile` (an OptimizedModule) is accelerated through `_orig_mod`.
 
@@ -46,12 +51,16 @@ __all__ = [
 _REGISTRY = {
     "LTX2VideoTransformer3DModel": "bitfuse.models.ltx2",
     "QwenImageTransformer2DModel": "bitfuse.models.qwenimage",
+    "FluxTransformer2DModel": "bitfuse.models.flux",
+    "Flux2Transformer2DModel": "bitfuse.models.flux2",
+    "ModelMixin": "bitfuse.models.adaln",  # any other diffusers model: its shared adaLN modules (last)
 }
 
 
 def supported_models() -> list[str]:
-    """The diffusers model classes bitfuse supports, by name."""
-    return list(_REGISTRY)
+    """The diffusers model classes bitfuse supports, by name (and the generic layer)."""
+    return [name for name in _REGISTRY if name != "ModelMixin"] + [
+        "other diffusers models with AdaLayerNormZero/-Single/-Continuous or SD35AdaLayerNormZeroX modules"]
 
 
 def integration_for(model) -> ModuleType | None:

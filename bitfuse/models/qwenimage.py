@@ -47,7 +47,7 @@ from diffusers.models.transformers.transformer_qwenimage import (
 )
 
 from .. import sites
-from . import _install
+from . import _install, adaln
 
 __all__ = ["VERIFIED_SOURCES", "COPIES", "SOURCES", "accelerate", "stock_functions"]
 
@@ -59,7 +59,8 @@ VERIFIED_SOURCES = {
     "QwenImageTransformerBlock.forward": "89de238db44a7a47fb3977b20366118d2108a36ecde36be2c5d2d2c33658b609",
     # reproduced by _norm_modulate (its parameter selection; the modulation through the site)
     "QwenImageTransformerBlock._modulate": "9ee78b512057d504ae89f8e48b1c8c552aa29a8c0f214b5095766a963c5454d7",
-    "AdaLayerNormContinuous.forward": "da3e50ebcd024fc2040e7e4afc211c8717142198b743486e507c0770fa4b2909",
+    # the head's norm_out: the generic layer's copy (adaln.FORWARDS)
+    "AdaLayerNormContinuous.forward": adaln.VERIFIED_SOURCES["AdaLayerNormContinuous.forward"],
 }
 
 
@@ -180,24 +181,9 @@ def _block_forward(
     return encoder_hidden_states, hidden_states
 
 
-# ---------------------------------------------------------------- the head
-
-
-def _norm_out_forward(self, x: torch.Tensor, conditioning_embedding: torch.Tensor) -> torch.Tensor:
-    """diffusers 0.42.1 `AdaLayerNormContinuous.forward`, norm and modulation in one site
-    (`(1 + scale)[:, None, :]` and `1 + scale[:, None, :]` are the same elementwise sum)."""
-    # convert back to the original dtype in case `conditioning_embedding`` is upcasted to float32 (needed for hunyuanDiT)
-    emb = self.linear(self.silu(conditioning_embedding).to(x.dtype))
-    scale, shift = torch.chunk(emb, 2, dim=1)
-    # diffusers: x = self.norm(x) * (1 + scale)[:, None, :] + shift[:, None, :]
-    x = sites.layer_norm_modulate_site(self, self.norm, x, scale[:, None, :], shift[:, None, :])
-    return x
-
-
 #: our line-for-line copies, by the stock name they copy (tests/test_copies.py diffs them)
 COPIES = {
     "QwenImageTransformerBlock.forward": _block_forward,
-    "AdaLayerNormContinuous.forward": _norm_out_forward,
 }
 
 SOURCES = _install.CopiedSources(
@@ -229,6 +215,7 @@ def accelerate(model, *, quality: str = "lossless", force: bool = False) -> _ins
         force=force,
         sources=SOURCES,
         model_class=QwenImageTransformer2DModel,
-        forwards={QwenImageTransformerBlock: _block_forward, AdaLayerNormContinuous: _norm_out_forward},
+        forwards={QwenImageTransformerBlock: _block_forward,
+                  AdaLayerNormContinuous: adaln.FORWARDS[AdaLayerNormContinuous]},
         sites=_sites,
     )
