@@ -66,7 +66,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cases
-from ._launch import HAS_TRITON, FastLaunch, GeometryCache, cdiv, inference_only, jit, next_pow2, row_kernel, tl
+from ._launch import HAS_TRITON, FastLaunch, GeometryCache, Recipe, cdiv, inference_only, jit, next_pow2, row_kernel, tl
 from ._norm import MAX_D, dummy_stats, rsqrt
 from ._params import common_device_dtype
 from .rms_norm_modulate import WARP_INC, mean_factor, mean_reduce_config
@@ -428,41 +428,39 @@ def _scalar_mean_config(D: int, N: int) -> int:
 
 
 class QKNormRopePlan:
-    """A call that passed the guard: operands per segment, geometry, gate key."""
+    """A call that passed the guard: operands, cached geometry, reduction order, RoPE
+    form, gate key."""
 
-    __slots__ = ("segments", "outputs", "geometry", "order", "eps", "rope", "key")
+    __slots__ = ("xs", "ws", "fs", "geometry", "order", "rope", "eps", "key")
 
-    def __init__(self, segments, outputs, geometry, order, eps, rope, key):
-        self.segments = segments  # [(x, w, cos, sin, output index)], queries then keys per source
-        self.outputs = outputs  # ((shape, dtype, device) of the query output, of the key output)
-        self.geometry = geometry  # _Geometry
+    def __init__(self, xs, ws, fs, geometry, order, rope, eps, key):
+        self.xs, self.ws, self.fs = xs, ws, fs  # per segment (queries, then keys): x, weight or None, (cos, sin) or None
+        self.geometry = geometry
         self.order = order  # (REF, LANES, XSTEPS, WARP_INC, factor)
-        self.eps = eps
         self.rope = rope  # (ROPE, R, REAL_FMA, IMAG_FMA)
+        self.eps = eps
         self.key = key
 
 
 class _Geometry:
-    """The layout-dependent part of a plan, cached per layout."""
+    """What a layout decides, computed once per layout (`_geometry`): sizes, each
+    segment's integers, the outputs' shapes, the reduction order where no probe is
+    involved, and the launch recipes built for it."""
 
-    __slots__ = ("B", "G", "NW", "seg_ints", "members", "tiles", "why")
+    __slots__ = ("B", "G", "NW", "n", "members", "tiles", "seg_ints", "outputs", "order", "key", "recipes")
 
-    def __init__(self, B, G, NW, seg_ints, members, tiles):
-        self.B, self.G, self.NW = B, G, NW
-        self.seg_ints = seg_ints  # per segment (S, x_sb, x_ss, x_sg, f_sb, f_sh, f_ss, f_sj, o_S, o_tok0)
+    def __init__(self, B, G, NW, n, members, tiles, seg_ints, outputs, order, key):
+        self.B, self.G, self.NW, self.n = B, G, NW, n
         self.members = members  # 2: a query and its key alternate program by program
-        self.tiles = tiles  # per segment: units (rows) of one sample
+        self.tiles = tiles  # per segment: rows (units) of one sample
+        self.seg_ints = seg_ints  # per segment (S, x_sb, x_ss, x_sg, f_sb, f_sh, f_ss, f_sj, o_S, o_tok0)
+        self.outputs = outputs  # shapes of the query and key outputs
+        self.order = order  # the reduction order, or None where it depends on a probe (`_order`)
+        self.key = key  # the gate key, less the order
+        self.recipes: dict = {}
 
 
 _geometry = GeometryCache()
-
-
-def _as_tuple(v, n, what):
-    if v is None:
-        return (None,) * n
-    if not isinstance(v, (tuple, list)) or len(v) != n:
-        return f"{what} must be a sequence of {n} (one per source)"
-    return tuple(v)
 
 
 def plan_qk_norm_rope(queries, keys, weights, eps, freqs, rope_type, norm, tier: str = "lossless"):
@@ -474,98 +472,78 @@ def plan_qk_norm_rope(queries, keys, weights, eps, freqs, rope_type, norm, tier:
         return f"unknown norm {norm!r}"
     if rope_type is not None and rope_type not in ROPE_TYPES:
         return f"unknown rope_type {rope_type!r}"
-    if not isinstance(queries, (tuple, list)) or not isinstance(keys, (tuple, list)):
+    if queries.__class__ not in (tuple, list) or keys.__class__ not in (tuple, list):
         return "queries and keys must be sequences of tensors (one per source)"
     n = len(queries)
     if n not in (1, 2) or len(keys) != n:
         return "one or two sources, each with a query and a key"
-    weights = _as_tuple(weights, n, "weights")
-    if weights.__class__ is str:
-        return weights
-    freqs = _as_tuple(freqs, n, "freqs")
-    if freqs.__class__ is str:
-        return freqs
-    xs = tuple(queries) + tuple(keys)
+    xs = (*queries, *keys)
     why = common_device_dtype(*xs)
     if why:
         return why
     x0 = xs[0]
-    pairs = []
-    for pair in weights:
-        pair = (None, None) if pair is None else pair
-        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+    if weights is None:
+        ws = (None,) * (2 * n)
+    else:
+        if weights.__class__ not in (tuple, list) or len(weights) != n or any(
+                p.__class__ not in (tuple, list) or len(p) != 2 for p in weights):
             return "weights: a (query weight, key weight) pair per source"
-        pairs.append(pair)
-    ws = [p[0] for p in pairs] + [p[1] for p in pairs]  # queries, then keys
-    has_weight = ws[0] is not None
-    if any((w is not None) != has_weight for w in ws):
-        return "some norms have a weight and others not"
-    if has_weight:
+        ws = (*(p[0] for p in weights), *(p[1] for p in weights))
         why = _check_weights(ws, x0, norm)
         if why:
             return why
     if rope_type is None:
-        if any(f is not None for f in freqs):
+        if freqs is not None:
             return "freqs given without a rope_type"
-        fs = [None] * (2 * n)
+        fs = (None,) * (2 * n)
     else:
-        for pair in freqs:
-            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-                return "freqs: a (query freqs, key freqs) pair per source"
-        fs = [_freq_pair(p[0], rope_type) for p in freqs] + [_freq_pair(p[1], rope_type) for p in freqs]
+        if freqs.__class__ not in (tuple, list) or len(freqs) != n or any(
+                p.__class__ not in (tuple, list) or len(p) != 2 for p in freqs):
+            return "freqs: a (query freqs, key freqs) pair per source"
+        fs = (*(_freq_pair(p[0], rope_type) for p in freqs), *(_freq_pair(p[1], rope_type) for p in freqs))
         for f in fs:
             if f.__class__ is str:
                 return f
             if f[0].get_device() != x0.get_device():
                 return "freqs on another device"
-    parts = tuple((x.shape, x.stride()) for x in xs)
-    parts += tuple(None if f is None else (f[0].shape, f[0].stride()) for f in fs)
-    parts += (x0.dtype, x0.get_device(), rope_type, norm, has_weight)
-    geometry = _geometry.get(parts, _geometry_of, xs, fs, rope_type, n)
+    has_weight = ws[0] is not None
+    parts = (x0.dtype, x0.get_device(), rope_type, norm, has_weight, *((x.shape, x.stride()) for x in xs),
+             *(None if f is None else (f[0].shape, f[0].stride()) for f in fs))
+    geometry = _geometry.get(parts, _geometry_of, xs, fs, rope_type, norm, has_weight, n)
     if geometry.__class__ is str:
         return geometry
-    NW = geometry.NW
-    if NW > MAX_D:
-        return f"rows of {NW} > {MAX_D}: too wide for the register-resident kernel"
-    orders = {_order(norm, NW, geometry.B * tiles, x0) for tiles in geometry.tiles}  # eager reduces each tensor
-    order = orders.pop()
+    order = geometry.order or _order_probed(geometry, x0)
     if order.__class__ is str:
         return order
-    if orders:
-        return "the sources' tensors reduce in different orders (few rows)"
-    if norm == "aten":
-        for x in xs:
-            if x.is_contiguous() and x.data_ptr() % (4 * x.element_size()):
-                return "x is not 4-element aligned (aten takes RowwiseMomentsCUDAKernel)"
-    rope = (_ROPE_CODE[rope_type], 0, 0, 0)
+    rope = _ROPE_CODE[rope_type], 0, 0, 0
     if rope_type == "split":
         fused = addcmul_fuses(x0.get_device())
         if fused is None:
             return "aten's addcmul rounding not probed yet on this device (capturing or compiling)"
-        rope = (2, fs[0][0].shape[-1], 2 if fused else 0, 1 if fused else 0)
+        rope = 2, fs[0][0].shape[-1], 2 if fused else 0, 1 if fused else 0
     elif rope_type == "complex":
         form = complex_mul_form(x0.get_device())
         if form is None:
             return "eager's complex multiply rounds in no form this kernel knows here (or not probed yet)"
-        rope = (3, 0, *form)
+        rope = 3, 0, form[0], form[1]
+    if norm == "aten":
+        for x in xs:
+            if x.data_ptr() % (4 * x.element_size()) and x.is_contiguous():
+                return "x is not 4-element aligned (aten takes RowwiseMomentsCUDAKernel)"
     if eps is None:  # F.rms_norm's default: the epsilon of the fp32 compute type
         eps = torch.finfo(torch.float32).eps
-    segments = [(x, ws[i] if has_weight else None, *(fs[i] or (None, None)), i // n) for i, x in enumerate(xs)]
-    q_len = sum(queries[i].shape[1] for i in range(n))
-    k_len = sum(keys[i].shape[1] for i in range(n))
-    tail = x0.shape[2:]
-    outputs = ((x0.shape[0], q_len, *tail), (x0.shape[0], k_len, *tail))
-    key = (x0.dtype, x0.get_device(), norm, rope_type or "none", f"NW={NW}", f"G={geometry.G}",
-           f"{n} source{'s' if n > 1 else ''}", "q+k paired" if geometry.members == 2 else "q, k apart",
-           "weight" if has_weight else "no weight", f"ref={order[0]}/{order[1]}")
-    return QKNormRopePlan(segments, outputs, geometry, order, float(eps), rope, key)
+    key = geometry.key + (f"ref={order[0]}/{order[1]}",) + ((f"form={rope[2]}{rope[3]}",) if rope[2] or rope[3] else ())
+    return QKNormRopePlan(xs, ws if has_weight else None, fs, geometry, order, rope, float(eps), key)
 
 
 def _check_weights(ws, x0, norm) -> str | None:
+    if ws[0] is None:
+        return None if all(w is None for w in ws) else "some norms have a weight and others not"
     NW = x0.shape[-1]
+    grad = torch.is_grad_enabled()
     for w in ws:
         if not isinstance(w, torch.Tensor):
-            return "weight is not a tensor"
+            return "some norms have a weight and others not" if w is None else "weight is not a tensor"
         if w.dim() != 1 or w.shape[0] != NW:
             return f"weight must be [{NW}]"
         if w.dtype is not x0.dtype:
@@ -576,7 +554,7 @@ def _check_weights(ws, x0, norm) -> str | None:
             return "weight is not contiguous"
         if norm == "aten" and w.data_ptr() % (4 * w.element_size()):
             return "weight is not 4-element aligned (aten takes RowwiseMomentsCUDAKernel)"
-        if w.requires_grad and torch.is_grad_enabled():
+        if grad and w.requires_grad:
             return "autograd needs the eager graph"
     return None
 
@@ -591,25 +569,26 @@ def _freq_pair(f, rope_type):
             return "autograd needs the eager graph"
         r = torch.view_as_real(f)
         return r[..., 0], r[..., 1]
-    if not (isinstance(f, (tuple, list)) and len(f) == 2 and all(isinstance(t, torch.Tensor) for t in f)):
+    if f.__class__ not in (tuple, list) or len(f) != 2 or not all(isinstance(t, torch.Tensor) for t in f):
         return "freqs is not a (cos, sin) pair"
     cos, sin = f
     if cos.dtype is not torch.float32 or sin.dtype is not torch.float32:
         return "cos/sin must be float32 (eager promotes x to their dtype)"
     if cos.shape != sin.shape:
         return "cos and sin shapes differ"
-    if sin.get_device() != cos.get_device():
-        return "cos and sin on different devices"
     if sin.stride() != cos.stride():
         return "cos and sin strides differ"
+    if sin.get_device() != cos.get_device():
+        return "cos and sin on different devices"
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         return "autograd needs the eager graph"
     return cos, sin
 
 
-def _order(norm, NW, N, x):
-    """(REF, LANES, XSTEPS, WARP_INC, factor) of the norm's reduction, or why it is not
-    reproduced."""
+def _order(norm, NW, N, device, probed=False):
+    """(REF, LANES, XSTEPS, WARP_INC, factor) of the norm's reduction over N rows of NW,
+    why it is not reproduced, or None where it depends on a probe not asked for
+    (`probed`: ask it)."""
     if norm == "aten":
         if NW % 4:
             return f"rows of {NW}: not a multiple of 4 (aten's unaligned path)"
@@ -618,10 +597,12 @@ def _order(norm, NW, N, x):
         return "diffusers mean over 2**31 elements or more (aten splits the iteration)"
     vectorised, warp_inc = NW > 128, WARP_INC
     if NW == 128:  # on setReduceConfig's threshold: the running build decides
-        probed = mean_order_128(x.get_device())
-        if probed is None:
+        if not probed:
+            return None
+        found = mean_order_128(device)
+        if found is None:
             return "diffusers mean of 128-wide rows: the running torch's order is not known here (or not probed yet)"
-        vectorised, warp_inc = probed
+        vectorised, warp_inc = found
     if vectorised:
         if NW == 128:
             lanes = 32  # dim0 = 32 float4 vectors: one a lane, whatever N
@@ -634,6 +615,19 @@ def _order(norm, NW, N, x):
     if lanes < 32:
         return f"rows of {NW} < 32: aten's block is narrower than a warp (not reproduced)"
     return 2, lanes, max(lanes.bit_length() - 6, 0), warp_inc, mean_factor(N, NW)
+
+
+def _orders(norm, NW, B, tiles, device, probed=False):
+    """The one order of every segment (eager reduces each tensor on its own), or why not."""
+    orders = {_order(norm, NW, B * t, device, probed) for t in tiles}
+    if len(orders) > 1:
+        strs = [o for o in orders if o.__class__ is str]
+        return strs[0] if strs else "the sources' tensors reduce in different orders (few rows)"
+    return orders.pop()
+
+
+def _order_probed(geometry, x0):
+    return _orders("diffusers", geometry.NW, geometry.B, geometry.tiles, x0.get_device(), probed=True)
 
 
 def _freq_strides(f, x, rope_type):
@@ -660,7 +654,7 @@ def _freq_strides(f, x, rope_type):
     return 0, 0, cos.stride(0), cos.stride(1), 0
 
 
-def _geometry_of(xs, fs, rope_type, n):
+def _geometry_of(xs, fs, rope_type, norm, has_weight, n):
     x0 = xs[0]
     if x0.dim() not in (3, 4):
         return f"x must be [B, S, C] or [B, S, H, D], got {x0.dim()}-D"
@@ -673,25 +667,35 @@ def _geometry_of(xs, fs, rope_type, n):
             return "x's last dimension is not contiguous"
     B, NW = x0.shape[0], x0.shape[-1]
     G = x0.shape[2] if x0.dim() == 4 else 1
+    if NW > MAX_D:
+        return f"rows of {NW} > {MAX_D}: too wide for the register-resident kernel"
     if rope_type is not None and NW % 2:
         return "odd channel count"
-    ints = []
+    seg_ints = []
+    lengths = (sum(x.shape[1] for x in xs[:n]), sum(x.shape[1] for x in xs[n:]))
     out_tok = [0, 0]
     for i, (x, f) in enumerate(zip(xs, fs)):
-        S = x.shape[1]
         fst = (0, 0, 0, 0, 0) if f is None else _freq_strides(f, x, rope_type)
         if fst.__class__ is str:
             return fst
-        if i and rope_type == "split" and fst[4] != fs[0][0].shape[-1]:
+        if rope_type == "split" and fst[4] != fs[0][0].shape[-1]:
             return "split RoPE: head sizes differ between queries and keys"
         out = i // n
-        ints.append((S, x.stride(0), x.stride(1), x.stride(2) if G > 1 else 0, *fst[:4],
-                     sum(t.shape[1] for t in xs[out * n:(out + 1) * n]), out_tok[out]))
-        out_tok[out] += S
+        seg_ints.append((x.shape[1], x.stride(0), x.stride(1), x.stride(2) if G > 1 else 0, *fst[:4], lengths[out],
+                         out_tok[out]))
+        out_tok[out] += x.shape[1]
     tiles = tuple(x.shape[1] * G for x in xs)
+    order = _orders(norm, NW, B, tiles, x0.get_device())
+    if order.__class__ is str:
+        return order
     # a query and its key alternate when they have as many rows; else segments run apart
     members = 2 if all(tiles[i] == tiles[i + n] for i in range(n)) else 1
-    return _Geometry(B, G, NW, ints, members, tiles)
+    tail = tuple(x0.shape[2:])
+    key = (x0.dtype, x0.get_device(), norm, rope_type or "none", f"NW={NW}", f"G={G}",
+           f"{n} source{'s' if n > 1 else ''}", "q+k paired" if members == 2 else "q, k apart",
+           "weight" if has_weight else "no weight")
+    return _Geometry(B, G, NW, n, members, tiles, tuple(seg_ints), ((B, lengths[0], *tail), (B, lengths[1], *tail)),
+                     order, key)
 
 
 # ---------------------------------------------------------------- launcher
@@ -706,48 +710,60 @@ def launch_shape(NW: int) -> tuple[int, int, int]:
     return max(1, 2048 // nwp), min(nwp, 1024), 4
 
 
-def launch_qk_norm_rope(plan: QKNormRopePlan, out=None, config=None, stats=None):
-    """Run the kernel for a guarded plan: (query, key) normed and rotated, each the
-    concatenation of its sources, written into `out` (a pair of contiguous tensors)
-    if given. `config` overrides (RU, CH, num_warps); `stats` (fp32 [rows, 2], rows
-    numbered segment by segment, queries first) receives each row's statistic
-    (aten: sigma2 / NW; diffusers: the mean) and rsqrt."""
+def _recipe(plan, config):
+    """(slots, Recipe): the segments in launch order and everything but the tensors,
+    built once per geometry, order, RoPE form, eps and config."""
     geo = plan.geometry
-    (q_shape, k_shape), x0 = plan.outputs, plan.segments[0][0]
-    if out is None:
-        out = (torch.empty(q_shape, dtype=x0.dtype, device=x0.device),
-               torch.empty(k_shape, dtype=x0.dtype, device=x0.device))
+    key = (config, plan.order, plan.rope, plan.eps)
+    found = geo.recipes.get(key)
+    if found is not None:
+        return found
     RU, CH, num_warps = config or launch_shape(geo.NW)
     CH = min(CH, next_pow2(geo.NW))
-    n = len(plan.segments) // 2
-    members = geo.members
-    order = [i for pair in zip(range(n), range(n, 2 * n)) for i in pair] if members == 2 else list(range(2 * n))
-    tensors, ints, starts, stat0, programs = [], [], [], 0, 0
-    stat_base = []
-    for i in range(2 * n):
-        stat_base.append(stat0)
-        stat0 += geo.B * geo.tiles[i]
-    for rank, i in enumerate(order):
-        x, w, c, s, o = plan.segments[i]
-        tensors += [x, x if w is None else w, x if c is None else c, x if s is None else s, out[o]]
+    n, members = geo.n, geo.members
+    slots = [i for pair in zip(range(n), range(n, 2 * n)) for i in pair] if members == 2 else list(range(2 * n))
+    stat_base = [sum(geo.B * t for t in geo.tiles[:i]) for i in range(2 * n)]  # stats rows: queries, then keys
+    ints, starts, programs = [], [], 0
+    for rank, i in enumerate(slots):
         ints += [*geo.seg_ints[i], stat_base[i]]
         if rank % members == 0:
             starts.append(programs)
             programs += members * cdiv(geo.tiles[i], RU)
-    nseg = 2 * n
-    for _ in range(MAX_SEGMENTS - nseg):  # unused slots: never selected
-        tensors += tensors[:5]
-        ints += ints[:11]
+    ints += ints[:11] * (MAX_SEGMENTS - 2 * n)  # unused slots: never selected
     starts += [programs] * (4 - len(starts))
     ref, lanes, xsteps, warp_inc, factor = plan.order
     rope, R, real_fma, imag_fma = plan.rope
-    _launch_kernel(
-        (programs, geo.B), tensors + [dummy_stats(x0) if stats is None else stats],
-        (*ints, starts[1], starts[2], starts[3], int(stats is not None), plan.eps, factor, float(geo.NW)),
-        (nseg, members, geo.G, geo.NW, ref, lanes, xsteps, warp_inc, RU, CH, rope, R, real_fma, imag_fma,
-         plan.segments[0][1] is not None, False),
-        num_warps,
-    )
+    consts = (2 * n, members, geo.G, geo.NW, ref, lanes, xsteps, warp_inc, RU, CH, rope, R, real_fma, imag_fma,
+              plan.ws is not None, False)
+    recipe = Recipe((programs, geo.B), (*ints, *starts[1:], 0, plan.eps, factor, float(geo.NW)), consts, num_warps)
+    found = geo.recipes[key] = (tuple(slots), recipe)
+    return found
+
+
+def launch_qk_norm_rope(plan: QKNormRopePlan, out=None, config=None, stats=None):
+    """Run the kernel for a guarded plan: (query, key) normed and rotated, each the
+    concatenation of its sources, written into `out` (a pair of contiguous tensors)
+    if given. `config` overrides (RU, CH, num_warps) (RU a power of two); `stats`
+    (fp32 [rows, 2], rows numbered segment by segment, queries first) receives each
+    row's statistic (aten: sigma2 / NW; diffusers: the mean) and its rsqrt."""
+    geo, x0 = plan.geometry, plan.xs[0]
+    if out is None:
+        out = (torch.empty(geo.outputs[0], dtype=x0.dtype, device=x0.device),
+               torch.empty(geo.outputs[1], dtype=x0.dtype, device=x0.device))
+    slots, recipe = _recipe(plan, config)
+    n, ws, fs, xs = geo.n, plan.ws, plan.fs, plan.xs
+    tensors = []
+    for i in slots:
+        x, f = xs[i], fs[i]
+        tensors += (x, x if ws is None else ws[i], x if f is None else f[0], x if f is None else f[1], out[i // n])
+    tensors += tensors[:5] * (MAX_SEGMENTS - len(slots))
+    if stats is None:
+        tensors.append(dummy_stats(x0))
+        _launch_kernel.launch(recipe, tensors)
+    else:
+        ints = list(recipe.ints)
+        ints[-4] = 1  # write_stats
+        _launch_kernel(recipe.grid, tensors + [stats], tuple(ints), recipe.consts, recipe.num_warps)
     return out
 
 
