@@ -327,7 +327,7 @@ def _diffusers_mean(x2d, vectorised, warp_inc=False):
 def _emulated_output(args, stats, rope_form):
     """The op's output from the kernel's per-row rsqrt: the norm's products in fp32, the
     rotation in `rope_form` (REAL_FMA, IMAG_FMA), then the concatenation."""
-    queries, keys, weights, eps, freqs, rope_type, norm = args
+    queries, keys, weights, _, freqs, rope_type, _ = args
     n = len(queries)
     xs = list(queries) + list(keys)
     ws = [None] * (2 * n) if weights is None else [w[0] for w in weights] + [w[1] for w in weights]

@@ -17,9 +17,8 @@ marked changes only):
     norm_out(x) * (1 + scale) + shift    -> sites.layer_norm_modulate_site(model, norm_out, x, scale, shift)
 
 The attention processors (`LTX2AudioVideoAttnProcessor`,
-`LTX2PerturbedAttnProcessor`) are copied for the query/key norms and RoPE: both
-go through `sites.qk_norm_rope_site` (query and key normed and rotated in one
-launch). A
+`LTX2PerturbedAttnProcessor`) are copied for the query/key norms and RoPE:
+`sites.qk_norm_rope_site` normalises and rotates query and key in one launch. A
 processor instance switches `__class__` to our copy, keeping its backend
 settings; a processor of any other class is left alone. `LTX2Attention.forward`
 is copied to cache the processor's parameter names (diffusers inspects the

@@ -20,9 +20,10 @@ reference kernel's thread order, see `rms_norm_modulate`'s docstring):
   shuffle-down, (w0 + w2) + (w1 + w3)), rstd = rsqrtf(sigma2 / NW + eps), then
   `gamma * (rstd * x)` in fp32 (two products, no add to contract), rounded
   once. Rows of at most 32 float4 vectors (NW <= 128) live in warp 0: the
-  other warps add exact zeros. The vectorized path needs NW % 4 == 0 and
-  16-byte-aligned x (a contiguous x elsewhere takes RowwiseMomentsCUDAKernel)
-  and gamma; x and gamma of one dtype (else aten takes its composite path).
+  other warps add exact zeros. The vectorized path needs NW % 4 == 0, x and
+  gamma 4-element aligned (a contiguous x elsewhere takes
+  RowwiseMomentsCUDAKernel; a strided x is copied, aligned) and of one dtype
+  (else aten takes its composite path).
 - "diffusers": diffusers' `RMSNorm`: v = x.float().pow(2).mean(-1) (aten's
   reduce_kernel<MeanOps>, `mean_reduce_config`), h = x * rsqrt(v + eps) in
   fp32; with a bf16/fp16 weight `h.to(weight.dtype) * weight` (two roundings),
@@ -59,8 +60,6 @@ Exact in every tier (memory-bound: fewer roundings buy nothing).
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -842,7 +841,7 @@ def rope_reference(x, freqs, rope_type):
         return torch.view_as_real(x_rotated * freqs.unsqueeze(1)).flatten(3).type_as(x)
     if rope_type == "interleaved" and x.dim() == 4:
         cos, sin = freqs
-        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+        cos, sin = cos[None, :, None, :].to(x.device), sin[None, :, None, :].to(x.device)
         x_real, x_imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
         x_rotated = torch.stack([-x_imag, x_real], dim=-1).flatten(3)
         return (x.float() * cos + x_rotated.float() * sin).to(x.dtype)

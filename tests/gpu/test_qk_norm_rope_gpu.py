@@ -210,12 +210,11 @@ def test_joint_dtypes_and_odd_sizes(dtype, layout):
 
 
 def test_sites_verify_and_match():
-    diffusers = pytest.importorskip("diffusers")
+    pytest.importorskip("diffusers")
     from diffusers.models.embeddings import apply_rotary_emb
     from diffusers.models.normalization import RMSNorm
     from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
 
-    del diffusers
     g = _gen(3)
     C = 2048
     nq, nk = (torch.nn.RMSNorm(C, eps=EPS).to("cuda", BF16) for _ in range(2))
@@ -316,8 +315,8 @@ def test_speed_eager_vs_fused():
         for name, args in cases.items():
             plan = Q.plan_qk_norm_rope(*args)
             assert not isinstance(plan, str), plan
-            eager = _time_us(lambda: Q.qk_norm_rope_reference(*args))
-            fused = _time_us(lambda: Q.launch_qk_norm_rope(plan))
+            eager = _time_us(lambda args=args: Q.qk_norm_rope_reference(*args))
+            fused = _time_us(lambda plan=plan: Q.launch_qk_norm_rope(plan))
             moved = sum(x.numel() * x.element_size() * 2 for x in list(args[0]) + list(args[1]))
             print(f"  {name:48s} eager {eager:8.1f} us   fused {fused:7.1f} us   x{eager / fused:5.2f}   "
                   f"(q, k read + written: {moved / fused / 1e6:.2f} TB/s)")
