@@ -77,7 +77,6 @@ ROPE_TYPES = ("interleaved", "split", "complex")
 MAX_SEGMENTS = 4  # (query, key) x two sources
 
 _ROPE_CODE = {None: 0, "interleaved": 1, "split": 2, "complex": 3}
-_REF_CODE = {"diffusers": 0, "aten": 1, "diffusers-scalar": 2}
 
 # ---------------------------------------------------------------- kernel
 
@@ -95,7 +94,7 @@ def _warp_tree(v, RU: tl.constexpr, INC: tl.constexpr):
 
 @jit
 def _row_stat(x_ptr, x_row, umask, eps, factor, fD, NW: tl.constexpr, REF: tl.constexpr, LANES: tl.constexpr,
-              XSTEPS: tl.constexpr, WARP_INC: tl.constexpr, RU: tl.constexpr, RSQRT_ASM: tl.constexpr):
+              XSTEPS: tl.constexpr, WARP_INC: tl.constexpr, RU: tl.constexpr):
     """The per-row statistic and its rsqrt, summed in the reference's order (module docstring)."""
     lane = tl.arange(0, LANES)
     NV: tl.constexpr = NW // 4
@@ -158,7 +157,7 @@ def _row_stat(x_ptr, x_row, umask, eps, factor, fD, NW: tl.constexpr, REF: tl.co
         for i in tl.static_range(XSTEPS):  # shared-memory halving: (t, t + o)
             v = tl.sum(tl.reshape(v, [RU, 2, LANES >> (i + 1)]), axis=1)
         stat = _warp_tree(v, RU, WARP_INC) * factor
-    return stat, rsqrt(stat + eps, RSQRT_ASM)
+    return stat, rsqrt(stat + eps, False)
 
 
 @jit
@@ -201,7 +200,7 @@ def _segment_tile(
     eps, factor, fD,
     G: tl.constexpr, NW: tl.constexpr, REF: tl.constexpr, LANES: tl.constexpr, XSTEPS: tl.constexpr,
     WARP_INC: tl.constexpr, RU: tl.constexpr, CH: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr,
-    REAL_FMA: tl.constexpr, IMAG_FMA: tl.constexpr, WEIGHT: tl.constexpr, RSQRT_ASM: tl.constexpr,
+    REAL_FMA: tl.constexpr, IMAG_FMA: tl.constexpr, WEIGHT: tl.constexpr,
 ):
     """RU rows (token s, head g; u = s * G + g) of sample b: normed, rotated, stored."""
     u = t * RU + tl.arange(0, RU)
@@ -209,7 +208,7 @@ def _segment_tile(
     s = (u // G).to(tl.int64)
     g = (u % G).to(tl.int64)
     x_row = b * x_sb + s * x_ss + g * x_sg
-    stat, r = _row_stat(x_ptr, x_row, umask, eps, factor, fD, NW, REF, LANES, XSTEPS, WARP_INC, RU, RSQRT_ASM)
+    stat, r = _row_stat(x_ptr, x_row, umask, eps, factor, fD, NW, REF, LANES, XSTEPS, WARP_INC, RU)
     smask = umask & (tl.full([RU], write_stats, tl.int32) != 0)
     srow = stat0 + b * S * G + u
     tl.store(stats_ptr + srow * 2, stat, mask=smask)
@@ -286,7 +285,7 @@ def _qk_norm_rope_kernel(
     NSEG: tl.constexpr, MEMBERS: tl.constexpr,
     G: tl.constexpr, NW: tl.constexpr, REF: tl.constexpr, LANES: tl.constexpr, XSTEPS: tl.constexpr,
     WARP_INC: tl.constexpr, RU: tl.constexpr, CH: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr,
-    REAL_FMA: tl.constexpr, IMAG_FMA: tl.constexpr, WEIGHT: tl.constexpr, RSQRT_ASM: tl.constexpr,
+    REAL_FMA: tl.constexpr, IMAG_FMA: tl.constexpr, WEIGHT: tl.constexpr,
 ):
     # programs: groups of MEMBERS segments (a query and its key alternate), groups
     # starting at programs 0, P1, P2, P3; grid axis 1 is the sample
@@ -300,26 +299,26 @@ def _qk_norm_rope_kernel(
     if seg == 0:
         _segment_tile(x0, w0, c0, s0, o0, stats_ptr, t, b, S0, xb0, xs0, xg0, fb0, fh0, fs0, fj0, oS0, tok0, st0,
                       write_stats, eps, factor, fD, G, NW, REF, LANES, XSTEPS, WARP_INC, RU, CH, ROPE, R,
-                      REAL_FMA, IMAG_FMA, WEIGHT, RSQRT_ASM)
+                      REAL_FMA, IMAG_FMA, WEIGHT)
     if NSEG > 1:
         if seg == 1:
             _segment_tile(x1, w1, c1, s1, o1, stats_ptr, t, b, S1, xb1, xs1, xg1, fb1, fh1, fs1, fj1, oS1, tok1,
                           st1, write_stats, eps, factor, fD, G, NW, REF, LANES, XSTEPS, WARP_INC, RU, CH, ROPE, R,
-                          REAL_FMA, IMAG_FMA, WEIGHT, RSQRT_ASM)
+                          REAL_FMA, IMAG_FMA, WEIGHT)
     if NSEG > 2:
         if seg == 2:
             _segment_tile(x2, w2, c2, s2, o2, stats_ptr, t, b, S2, xb2, xs2, xg2, fb2, fh2, fs2, fj2, oS2, tok2,
                           st2, write_stats, eps, factor, fD, G, NW, REF, LANES, XSTEPS, WARP_INC, RU, CH, ROPE, R,
-                          REAL_FMA, IMAG_FMA, WEIGHT, RSQRT_ASM)
+                          REAL_FMA, IMAG_FMA, WEIGHT)
     if NSEG > 3:
         if seg == 3:
             _segment_tile(x3, w3, c3, s3, o3, stats_ptr, t, b, S3, xb3, xs3, xg3, fb3, fh3, fs3, fj3, oS3, tok3,
                           st3, write_stats, eps, factor, fD, G, NW, REF, LANES, XSTEPS, WARP_INC, RU, CH, ROPE, R,
-                          REAL_FMA, IMAG_FMA, WEIGHT, RSQRT_ASM)
+                          REAL_FMA, IMAG_FMA, WEIGHT)
 
 
 _CONSTS = ("NSEG", "MEMBERS", "G", "NW", "REF", "LANES", "XSTEPS", "WARP_INC", "RU", "CH", "ROPE", "R",
-           "REAL_FMA", "IMAG_FMA", "WEIGHT", "RSQRT_ASM")
+           "REAL_FMA", "IMAG_FMA", "WEIGHT")
 _launch_kernel = FastLaunch(_qk_norm_rope_kernel, _CONSTS)
 
 
@@ -733,7 +732,7 @@ def _recipe(plan, config):
     ref, lanes, xsteps, warp_inc, factor = plan.order
     rope, R, real_fma, imag_fma = plan.rope
     consts = (2 * n, members, geo.G, geo.NW, ref, lanes, xsteps, warp_inc, RU, CH, rope, R, real_fma, imag_fma,
-              plan.ws is not None, False)
+              plan.ws is not None)
     recipe = Recipe((programs, geo.B), (*ints, *starts[1:], 0, plan.eps, factor, float(geo.NW)), consts, num_warps)
     found = geo.recipes[key] = (tuple(slots), recipe)
     return found
