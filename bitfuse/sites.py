@@ -34,6 +34,7 @@ from .ops import (
     gated_residual,
     layer_norm_modulate,
     modulate,
+    qk_norm_rope,
     rms_norm_modulate,
     rotary,
 )
@@ -45,6 +46,7 @@ _RMS_NORM_MODULATE = rms_norm_modulate.SPECS
 _RMS_NORM = rms_norm_modulate.RMS_NORM_SPEC
 _LAYER_NORM_MODULATE = layer_norm_modulate.SPEC
 _ROTARY = rotary.SPECS
+_QK_NORM_ROPE = qk_norm_rope.SPEC
 
 # ---------------------------------------------------------------- marking and mounting
 
@@ -195,6 +197,144 @@ def _rotary_one(spec, x, freqs, rope_type):
     return policy.gated(spec, "lossless", plan, (x, freqs, rope_type))
 
 
+# ---------------------------------------------------------------- query/key norms + RoPE
+
+
+def qk_norm_kind(norm, width: int) -> str | None:
+    """Which reference a query/key norm module computes over rows of `width`, when the
+    fused kernel can stand in for its call: "aten" (torch.nn.RMSNorm over the last
+    dimension), "diffusers" (diffusers' RMSNorm without bias); None for anything else
+    (another class or a subclass, hooks, an instance forward, another shape)."""
+    cls = type(norm)
+    if not isinstance(norm, torch.nn.Module) or not _plain_module(norm):
+        return None
+    if cls is torch.nn.RMSNorm:
+        return "aten" if tuple(norm.normalized_shape) == (width,) else None
+    if cls.__name__ == "RMSNorm" and cls.__module__ == "diffusers.models.normalization":
+        return "diffusers" if getattr(norm, "bias", None) is None else None
+    return None
+
+
+def _qk_norms(norms, width):
+    """(kind, eps, weight pairs) for (norm_q, norm_k) pairs sharing one reference and one
+    eps, or None (the fused kernel can't stand in for them)."""
+    kinds = {qk_norm_kind(n, width) for pair in norms for n in pair}
+    epss = {n.eps for pair in norms for n in pair}
+    if len(kinds) != 1 or None in kinds or len(epss) != 1:
+        return None
+    weights = tuple((q.weight, k.weight) for q, k in norms)
+    return kinds.pop(), epss.pop(), None if weights[0][0] is None else weights
+
+
+def qk_norm_rope_site(norm_q, norm_k, query, key, query_freqs, key_freqs, rope_type):
+    """`norm_q(query)`, `norm_k(key)`, then both rotated as LTX-2's attention rotates
+    them, in one launch, bit-exact in every tier. Returns (query, key).
+
+    norm_q, norm_k: the attention's norm modules, torch.nn.RMSNorm over the last
+        dimension (LTX-2) or diffusers' RMSNorm, with or without weight (anything else:
+        the modules are called as they are).
+    query, key: [B, S_q, C] and [B, S_k, C] (lengths may differ: cross-attention), one
+        dtype, last dimension contiguous (views of a fused projection are read in place).
+    query_freqs, key_freqs: (cos, sin) pairs of fp32 tensors, or None for no RoPE
+        (`key_freqs` None: the query's); rope_type: "interleaved" (cos/sin [B|1, S, C])
+        or "split" (cos/sin [B, H, S, C / 2H]), None with no frequencies."""
+    if query_freqs is not None:
+        _check_freqs("query_freqs", query_freqs)
+        if key_freqs is None:
+            key_freqs = query_freqs
+        else:
+            _check_freqs("key_freqs", key_freqs)
+        query_freqs, key_freqs = tuple(query_freqs), tuple(key_freqs)
+        if rope_type not in _ROTARY:
+            raise ValueError(f"unknown rope_type {rope_type!r}; choose one of {', '.join(_ROTARY)}")
+    elif key_freqs is not None:
+        raise ValueError("qk_norm_rope_site: key_freqs given without query_freqs")
+    else:
+        rope_type = None
+    if not _plain():
+        norms = _qk_norms(((norm_q, norm_k),), query.shape[-1])
+        if norms is not None:
+            kind, eps, weights = norms
+            args = ((query,), (key,), weights, eps, None if rope_type is None else ((query_freqs, key_freqs),),
+                    rope_type, kind)
+            plan = qk_norm_rope.plan_qk_norm_rope(*args)
+            if plan.__class__ is not str:
+                return policy.gated(_QK_NORM_ROPE, "lossless", plan, args)
+    query, key = norm_q(query), norm_k(key)
+    if rope_type is None:
+        return query, key
+    return rotary_site(query, key, query_freqs, key_freqs, rope_type)
+
+
+def joint_qk_norm_rope_site(sources, freqs, rope_type):
+    """Per-head query/key norms, the sources concatenated along the sequence, and RoPE,
+    as FLUX.1's and Qwen-Image's joint attention compute them, in one launch, bit-exact
+    in every tier. Returns (query, key), each [B, sum S_i, H, D].
+
+    sources: a sequence of one or two (norm_q, norm_k, query, key), in concatenation
+        order (text first, as both models concatenate); query and key [B, S_i, H, D], one
+        dtype, last dimension contiguous; the norms torch.nn.RMSNorm(D) (FLUX) or
+        diffusers' RMSNorm(D) (Qwen-Image), all four of one class and eps.
+    freqs, rope_type:
+        None, None: no RoPE;
+        (cos, sin), "interleaved": FLUX's `image_rotary_emb`, fp32 [sum S_i, D] over the
+            concatenated sequence (rotated as `apply_rotary_emb(x, freqs, sequence_dim=1)`);
+        a sequence of complex64 [S_i, D / 2], "complex": Qwen-Image's frequencies, one
+            per source in the sources' order (rotated as `apply_rotary_emb_qwen(x, f,
+            use_real=False)`, before the concatenation)."""
+    sources = [tuple(s) for s in sources]
+    if not sources or any(len(s) != 4 for s in sources):
+        raise ValueError("joint_qk_norm_rope_site: sources must be (norm_q, norm_k, query, key) tuples")
+    if rope_type not in (None, "interleaved", "complex"):
+        raise ValueError(f"unknown rope_type {rope_type!r}; choose None, 'interleaved' or 'complex'")
+    if (freqs is None) != (rope_type is None):
+        raise ValueError("joint_qk_norm_rope_site: freqs and rope_type go together")
+    if rope_type == "interleaved":
+        _check_freqs("freqs", freqs)
+        freqs = tuple(freqs)
+    elif rope_type == "complex":
+        freqs = tuple(freqs)
+        if len(freqs) != len(sources):
+            raise ValueError("joint_qk_norm_rope_site: complex freqs are one tensor per source")
+    if not _plain() and len(sources) <= 2:
+        norms = _qk_norms([s[:2] for s in sources], sources[0][2].shape[-1])
+        per_source = None if rope_type is None else _joint_freqs(sources, freqs, rope_type)
+        if norms is not None and (rope_type is None or per_source is not None):
+            kind, eps, weights = norms
+            args = (tuple(s[2] for s in sources), tuple(s[3] for s in sources), weights, eps, per_source,
+                    rope_type, kind)
+            plan = qk_norm_rope.plan_qk_norm_rope(*args)
+            if plan.__class__ is not str:
+                return policy.gated(_QK_NORM_ROPE, "lossless", plan, args)
+    queries = [nq(q) for nq, _, q, _ in sources]
+    keys = [nk(k) for _, nk, _, k in sources]
+    if rope_type == "complex":  # Qwen-Image: each source rotated, then concatenated
+        queries = [qk_norm_rope.rope_reference(q, f, "complex") for q, f in zip(queries, freqs)]
+        keys = [qk_norm_rope.rope_reference(k, f, "complex") for k, f in zip(keys, freqs)]
+    query, key = (queries[0], keys[0]) if len(sources) == 1 else (torch.cat(queries, dim=1), torch.cat(keys, dim=1))
+    if rope_type == "interleaved":  # FLUX: concatenated, then rotated
+        query = qk_norm_rope.rope_reference(query, freqs, "interleaved")
+        key = qk_norm_rope.rope_reference(key, freqs, "interleaved")
+    return query, key
+
+
+def _joint_freqs(sources, freqs, rope_type):
+    """Per-source (query freqs, key freqs) for the op, or None where eager would not
+    broadcast them (the eager path then raises what eager raises)."""
+    if rope_type == "complex":
+        return tuple((f, f) for f in freqs)
+    cos, sin = freqs
+    lengths = [s[2].shape[1] for s in sources]
+    if cos.dim() != 2 or cos.shape[0] != sum(lengths) or any(s[3].shape[1] != n for s, n in zip(sources, lengths)):
+        return None
+    out, start = [], 0
+    for n in lengths:
+        pair = (cos[start:start + n], sin[start:start + n])
+        out.append((pair, pair))
+        start += n
+    return tuple(out)
+
+
 # ---------------------------------------------------------------- norms
 
 
@@ -305,5 +445,8 @@ __all__ = [
     "rms_norm_site",
     "layer_norm_modulate_site",
     "rotary_site",
+    "qk_norm_rope_site",
+    "joint_qk_norm_rope_site",
+    "qk_norm_kind",
     "norm_kind",
 ]

@@ -17,8 +17,8 @@ marked changes only):
     norm_out(x) * (1 + scale) + shift    -> sites.layer_norm_modulate_site(model, norm_out, x, scale, shift)
 
 The attention processors (`LTX2AudioVideoAttnProcessor`,
-`LTX2PerturbedAttnProcessor`) are copied for RoPE: query and key rotate through
-`sites.rotary_site` (one launch for both when they share the frequencies). A
+`LTX2PerturbedAttnProcessor`) are copied for the query/key norms and RoPE:
+`sites.qk_norm_rope_site` normalises and rotates query and key in one launch. A
 processor instance switches `__class__` to our copy, keeping its backend
 settings; a processor of any other class is left alone. `LTX2Attention.forward`
 is copied to cache the processor's parameter names (diffusers inspects the
@@ -839,11 +839,12 @@ def _model_forward(
 # the perturbed one with no mask (it projects q, k, v in another order).
 
 
-def _rope(attn, query, key, query_rotary_emb, key_rotary_emb):
-    """diffusers' RoPE branch of both processors: query and key rotated per `attn.rope_type`."""
-    if attn.rope_type in ("interleaved", "split"):
-        return sites.rotary_site(query, key, query_rotary_emb, key_rotary_emb, attn.rope_type)
-    return query, key
+def _qk_norm_rope(attn, query, key, query_rotary_emb, key_rotary_emb):
+    """diffusers' query/key norms and RoPE branch of both processors, in one site: normed,
+    then rotated per `attn.rope_type` when there are frequencies."""
+    rope = query_rotary_emb is not None and attn.rope_type in ("interleaved", "split")
+    return sites.qk_norm_rope_site(attn.norm_q, attn.norm_k, query, key, query_rotary_emb if rope else None,
+                                   key_rotary_emb if rope else None, attn.rope_type if rope else None)
 
 
 class _AttnProcessor(LTX2AudioVideoAttnProcessor):
@@ -880,19 +881,18 @@ class _AttnProcessor(LTX2AudioVideoAttnProcessor):
         key = attn.to_k(encoder_hidden_states)
         value = attn.to_v(encoder_hidden_states)
 
-        query = attn.norm_q(query)
-        key = attn.norm_k(key)
-
-        if query_rotary_emb is not None:
-            # diffusers: if attn.rope_type == "interleaved":
-            # diffusers:     query = apply_interleaved_rotary_emb(query, query_rotary_emb)
-            # diffusers:     key = apply_interleaved_rotary_emb(
-            # diffusers:         key, key_rotary_emb if key_rotary_emb is not None else query_rotary_emb
-            # diffusers:     )
-            # diffusers: elif attn.rope_type == "split":
-            # diffusers:     query = apply_split_rotary_emb(query, query_rotary_emb)
-            # diffusers:     key = apply_split_rotary_emb(key, key_rotary_emb if key_rotary_emb is not None else query_rotary_emb)
-            query, key = _rope(attn, query, key, query_rotary_emb, key_rotary_emb)
+        # diffusers: query = attn.norm_q(query)
+        # diffusers: key = attn.norm_k(key)
+        # diffusers: if query_rotary_emb is not None:
+        # diffusers:     if attn.rope_type == "interleaved":
+        # diffusers:         query = apply_interleaved_rotary_emb(query, query_rotary_emb)
+        # diffusers:         key = apply_interleaved_rotary_emb(
+        # diffusers:             key, key_rotary_emb if key_rotary_emb is not None else query_rotary_emb
+        # diffusers:         )
+        # diffusers:     elif attn.rope_type == "split":
+        # diffusers:         query = apply_split_rotary_emb(query, query_rotary_emb)
+        # diffusers:         key = apply_split_rotary_emb(key, key_rotary_emb if key_rotary_emb is not None else query_rotary_emb)
+        query, key = _qk_norm_rope(attn, query, key, query_rotary_emb, key_rotary_emb)
 
         query = query.unflatten(2, (attn.heads, -1))
         key = key.unflatten(2, (attn.heads, -1))
@@ -965,21 +965,20 @@ class _PerturbedAttnProcessor(LTX2PerturbedAttnProcessor):
             query = attn.to_q(hidden_states)
             key = attn.to_k(encoder_hidden_states)
 
-            query = attn.norm_q(query)
-            key = attn.norm_k(key)
-
-            if query_rotary_emb is not None:
-                # diffusers: if attn.rope_type == "interleaved":
-                # diffusers:     query = apply_interleaved_rotary_emb(query, query_rotary_emb)
-                # diffusers:     key = apply_interleaved_rotary_emb(
-                # diffusers:         key, key_rotary_emb if key_rotary_emb is not None else query_rotary_emb
-                # diffusers:     )
-                # diffusers: elif attn.rope_type == "split":
-                # diffusers:     query = apply_split_rotary_emb(query, query_rotary_emb)
-                # diffusers:     key = apply_split_rotary_emb(
-                # diffusers:         key, key_rotary_emb if key_rotary_emb is not None else query_rotary_emb
-                # diffusers:     )
-                query, key = _rope(attn, query, key, query_rotary_emb, key_rotary_emb)
+            # diffusers: query = attn.norm_q(query)
+            # diffusers: key = attn.norm_k(key)
+            # diffusers: if query_rotary_emb is not None:
+            # diffusers:     if attn.rope_type == "interleaved":
+            # diffusers:         query = apply_interleaved_rotary_emb(query, query_rotary_emb)
+            # diffusers:         key = apply_interleaved_rotary_emb(
+            # diffusers:             key, key_rotary_emb if key_rotary_emb is not None else query_rotary_emb
+            # diffusers:         )
+            # diffusers:     elif attn.rope_type == "split":
+            # diffusers:         query = apply_split_rotary_emb(query, query_rotary_emb)
+            # diffusers:         key = apply_split_rotary_emb(
+            # diffusers:             key, key_rotary_emb if key_rotary_emb is not None else query_rotary_emb
+            # diffusers:         )
+            query, key = _qk_norm_rope(attn, query, key, query_rotary_emb, key_rotary_emb)
 
             query = query.unflatten(2, (attn.heads, -1))
             key = key.unflatten(2, (attn.heads, -1))

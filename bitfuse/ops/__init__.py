@@ -9,7 +9,7 @@ first-sight gate and the tiers).
 the benchmarks, the fuzz run and the tests iterate over it.
 """
 
-from . import gated_residual, layer_norm_modulate, modulate, rms_norm_modulate, rotary
+from . import gated_residual, layer_norm_modulate, modulate, qk_norm_rope, rms_norm_modulate, rotary
 from .spec import TIERS, OpSpec
 
 SPECS: dict[str, OpSpec] = {
@@ -21,8 +21,9 @@ SPECS: dict[str, OpSpec] = {
         rms_norm_modulate.RMS_NORM_SPEC,
         layer_norm_modulate.SPEC,
         *rotary.SPECS.values(),
+        qk_norm_rope.SPEC,
     )
 }
 
 __all__ = ["SPECS", "TIERS", "OpSpec", "modulate", "gated_residual", "rms_norm_modulate", "layer_norm_modulate",
-           "rotary"]
+           "rotary", "qk_norm_rope"]
