@@ -262,8 +262,9 @@ def test_quality_high_mounts_on_every_site(monkeypatch):
 def test_pointwise_kernels_run_on_the_models_operands(monkeypatch):
     """fp32 under Triton's interpreter: the gated residual kernel runs on the blocks' real
     operands (per-sample [B, 1, D] chunk views, read in place) and is verified against
-    eager; the norm kernels reproduce CUDA's reduction order, not the CPU's, so they
-    fall back to eager with a warning. The output is stock's either way."""
+    eager; the norm kernels (layer norm + modulate, the q/k norms + RoPE) reproduce
+    CUDA's reduction order, not the CPU's, so they may fall back to eager with a
+    warning. The output is stock's either way."""
     pytest.importorskip("triton")
     monkeypatch.setattr(_params, "INTERPRET_ON_CPU", True)
     model = _model()
@@ -276,7 +277,7 @@ def test_pointwise_kernels_run_on_the_models_operands(monkeypatch):
         _assert_equal(out, ref)
     statuses = {(v.op, v.status) for v in policy.verdicts()}
     assert ("gated_residual", "verified") in statuses
-    assert {op for op, _ in statuses} == {"gated_residual", "layer_norm_modulate"}
+    assert {op for op, _ in statuses} == {"gated_residual", "layer_norm_modulate", "qk_norm_rope"}
 
 
 # ---------------------------------------------------------------- torch.compile

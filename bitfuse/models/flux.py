@@ -198,7 +198,7 @@ def _single_block_forward(
 
 def qk_norm_rope(attn, query, key, encoder_query, encoder_key, image_rotary_emb):
     """The q/k RMSNorm and RoPE of a FLUX.1 / FLUX.2 attention, as diffusers computes them:
-    the place where a fused q/k-norm + RoPE op joins (today: diffusers' own calls).
+    in one fused launch where the kernels reproduce them (`sites.joint_qk_norm_rope_site`).
 
     attn: the attention module; its `norm_q` / `norm_k` (and, with a text stream,
         `norm_added_q` / `norm_added_k`) are `torch.nn.RMSNorm(head_dim, eps=1e-6)` with
@@ -214,15 +214,13 @@ def qk_norm_rope(attn, query, key, encoder_query, encoder_key, image_rotary_emb)
     `rope(cat(norm_added(enc), norm(x)))` per diffusers' `apply_rotary_emb(x, (cos, sin),
     sequence_dim=1)`: `(x.float() * cos + rotated.float() * sin).to(x.dtype)`, rotated
     pairs `(-x1, x0)`."""
-    query = attn.norm_q(query)
-    key = attn.norm_k(key)
+    sources = [(attn.norm_q, attn.norm_k, query, key)]
     if encoder_query is not None:
-        query = torch.cat([attn.norm_added_q(encoder_query), query], dim=1)
-        key = torch.cat([attn.norm_added_k(encoder_key), key], dim=1)
-    if image_rotary_emb is not None:
-        query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-        key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
-    return query, key
+        sources.insert(0, (attn.norm_added_q, attn.norm_added_k, encoder_query, encoder_key))
+    # one launch: both streams normed in aten's order, concatenated and rotated (sites.joint_qk_norm_rope_site;
+    # where its planner refuses, the modules' own calls, torch.cat and diffusers' apply_rotary_emb, as above)
+    rope = None if image_rotary_emb is None else "interleaved"
+    return sites.joint_qk_norm_rope_site(sources, image_rotary_emb, rope)
 
 
 class _AttnProcessor(FluxAttnProcessor):

@@ -9,7 +9,14 @@ first-sight gate and the tiers).
 the benchmarks, the fuzz run and the tests iterate over it.
 """
 
-from . import gated_residual, layer_norm_modulate, modulate, qk_norm_rope, rms_norm_modulate, rotary
+from . import (
+    gated_residual,
+    layer_norm_modulate,
+    modulate,
+    qk_norm_rope,
+    rms_norm_modulate,
+    rotary,
+)
 from .spec import TIERS, OpSpec
 
 SPECS: dict[str, OpSpec] = {

@@ -65,7 +65,18 @@ import torch
 import torch.nn.functional as F
 
 from . import cases
-from ._launch import HAS_TRITON, FastLaunch, GeometryCache, Recipe, cdiv, inference_only, jit, next_pow2, row_kernel, tl
+from ._launch import (
+    HAS_TRITON,
+    FastLaunch,
+    GeometryCache,
+    Recipe,
+    cdiv,
+    inference_only,
+    jit,
+    next_pow2,
+    row_kernel,
+    tl,
+)
 from ._norm import MAX_D, dummy_stats, rsqrt
 from ._params import common_device_dtype
 from .rms_norm_modulate import WARP_INC, mean_factor, mean_reduce_config
