@@ -41,12 +41,15 @@ WIDTHS = {  # per op family: supported widths, and some the guards refuse (the f
     "pointwise": (64, 100, 2048, 2240, 3072, 4096, 5120),
     "norm": (256, 1000, 1002, 2048, 3072, 4096, 5120),
     "rotary": (64, 130, 256, 2048, 4096),
+    "qk": (128, 384, 2048, 4096),  # heads of 128 (FLUX, Qwen-Image) or rows of all heads (LTX-2)
 }
 
 
 def _family(name: str) -> str:
     if name.startswith("rotary"):
         return "rotary"
+    if name.startswith("qk"):
+        return "qk"
     return "norm" if "norm" in name else "pointwise"
 
 

@@ -47,9 +47,10 @@ def rows(shape, dtype, g, scale=1.0):
 
 def special(x, g):
     """NaN and infinities sprinkled in (their rows' outputs are NaN in both)."""
+    dtype = x.dtype
     u = torch.rand(x.shape, generator=g, device="cuda")
     x = torch.where(u < 1e-4, float("nan"), x.float())
-    return torch.where((u >= 1e-4) & (u < 2e-4), float("inf"), x).to(x.dtype)
+    return torch.where((u >= 1e-4) & (u < 2e-4), float("inf"), x).to(dtype)
 
 
 def angles(*shape, g):
