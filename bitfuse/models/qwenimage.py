@@ -41,7 +41,11 @@ guard refuses (and under torch.compile). A processor instance of exactly that cl
 switches `__class__` to the copy (keeping its attention backend and parallel config);
 any other processor (a user's, a subclass) is left alone. Everything else (the
 projections, the joint mask, the value concatenation, attention, the split and the
-output projections) runs as diffusers runs it.
+output projections) runs as diffusers runs it. Routed, the processor's only work
+outside its GEMMs and attention is the value's `torch.cat` (one copy; at batch 1
+`.to(dtype)` and the output slices' `.contiguous()` copy nothing): removing it would
+mean writing both value projections into one buffer, which `nn.Linear` can't do
+without another GEMM call than eager's.
 
 The copies are valid only for the diffusers source they were taken from:
 `accelerate` checks the diffusers version (0.42.x) and the sha256 of every
