@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import threading
 import types
 import warnings
@@ -19,6 +20,12 @@ import pytest
 import torch
 
 diffusers = pytest.importorskip("diffusers")
+
+from diffusers.models.normalization import RMSNorm
+from diffusers.models.transformers.transformer_qwenimage import (
+    QwenDoubleStreamAttnProcessor2_0,
+    apply_rotary_emb_qwen,
+)
 
 import bitfuse  # noqa: E402
 from bitfuse import policy, sites  # noqa: E402
@@ -81,9 +88,14 @@ def _assert_same(out, ref):
     assert same_bits(o, r), f"{differing(o, r)} of {r.numel()} elements differ"
 
 
+def _processors(model) -> list:
+    return [m.processor for m in model.modules() if hasattr(m, "processor")]
+
+
 def _is_stock(model) -> bool:
     return (all("forward" not in m.__dict__ for m in model.modules()) and not sites.sites_of(model)
-            and "_bitfuse_handle" not in model.__dict__)
+            and "_bitfuse_handle" not in model.__dict__
+            and not any(type(p).__module__.startswith("bitfuse.") for p in _processors(model)))
 
 
 def _check_identity(model, kwargs_list, **accelerate_options):
@@ -291,6 +303,144 @@ def test_sites_change_the_output_when_they_change():
     assert not same_bits(out[0], ref[0])
 
 
+# ---------------------------------------------------------------- the attention processor
+
+
+def _random_qk_weights(model, seed=11):
+    """Non-unit q/k norm weights (they init to ones; a checkpoint's are not), so a
+    dropped or misplaced weight shows in the output."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, RMSNorm) and m.weight is not None:
+                m.weight.copy_(1 + 0.5 * torch.randn(m.weight.shape, generator=gen))
+    return model
+
+
+@contextlib.contextmanager
+def _recording_joint_site(monkeypatch):
+    """Records each joint_qk_norm_rope_site call: (sources, freqs, rope_type)."""
+    calls = []
+    real = sites.joint_qk_norm_rope_site
+
+    def recorder(sources, freqs, rope_type):
+        calls.append((tuple(sources), freqs, rope_type))
+        return real(sources, freqs, rope_type)
+
+    monkeypatch.setattr(sites, "joint_qk_norm_rope_site", recorder)
+    yield calls
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_processors_route_the_qk_norms_and_rope_and_come_back(monkeypatch, variant):
+    """Stock processors switch class (keeping their attention backend) and send both
+    streams' q/k norms, RoPE and the query/key concatenation to the joint site: text
+    first, each stream with its own frequencies (img_freqs, txt_freqs swapped into the
+    sources' order), diffusers' RMSNorm modules with their weights. A processor of
+    another class (a user's subclass) is left alone. On restore every processor is the
+    same object, of its stock class, with its backend setting."""
+    model = _random_qk_weights(_model(variant, torch.bfloat16))
+    cases = _cases(model)
+    refs = [_run(model, kw) for kw in cases]
+    mine = type("Mine", (QwenDoubleStreamAttnProcessor2_0,), {})()
+    model.transformer_blocks[1].attn.set_processor(mine)
+    assert all(same_bits(_run(model, kw)[0], ref[0]) for kw, ref in zip(cases, refs))  # Mine computes stock's
+    processors = {id(m): m.processor for m in model.modules() if hasattr(m, "processor")}
+    for p in processors.values():
+        p._attention_backend = "native"
+    with _recording_joint_site(monkeypatch) as calls, bitfuse.accelerate(model):
+        assert [type(p).__name__ for p in _processors(model)] == ["_AttnProcessor", "Mine"]
+        assert isinstance(_processors(model)[0], QwenDoubleStreamAttnProcessor2_0)
+        for kw, ref in zip(cases, refs):
+            _assert_same(_run(model, kw), ref)
+    assert len(calls) == len(cases)  # block 0 once per forward; block 1 (Mine) never
+    attn = model.transformer_blocks[0].attn
+    H, Dh = attn.heads, attn.inner_dim // attn.heads
+    for (sources, freqs, rope), kw in zip(calls, cases):
+        (nq_t, nk_t, q_t, k_t), (nq_i, nk_i, q_i, k_i) = sources
+        assert (nq_t, nk_t, nq_i, nk_i) == (attn.norm_added_q, attn.norm_added_k, attn.norm_q, attn.norm_k)
+        B, S_img, S_txt = kw["hidden_states"].shape[0], kw["hidden_states"].shape[1], \
+            kw["encoder_hidden_states"].shape[1]
+        assert [tuple(t.shape) for t in (q_t, k_t, q_i, k_i)] == [(B, S_txt, H, Dh)] * 2 + [(B, S_img, H, Dh)] * 2
+        assert rope == "complex" and [tuple(f.shape) for f in freqs] == [(S_txt, Dh // 2), (S_img, Dh // 2)]
+        assert all(f.dtype is torch.complex64 for f in freqs)
+    assert _is_stock(model)
+    assert all(m.processor is processors[id(m)] and m.processor._attention_backend == "native"
+               for m in model.modules() if hasattr(m, "processor"))
+    assert type(model.transformer_blocks[0].attn.processor) is QwenDoubleStreamAttnProcessor2_0
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_qk_norm_rope_is_diffusers_lines(dtype):
+    """`qk_norm_rope` against the stock processor's lines (norms, apply_rotary_emb_qwen,
+    torch.cat text first) on one block's modules with non-unit weights and the model's
+    own RoPE tables: queries/keys with an outlier channel, zero rows of both signs, inf
+    and NaN; with RoPE, without it, and with a missing norm (qk_norm=None: the stock
+    `if attn.norm_q is not None` branches). Bitwise."""
+    model = _random_qk_weights(_model("image", DTYPES[dtype]))
+    attn = model.transformer_blocks[0].attn
+    H, Dh = attn.heads, attn.inner_dim // attn.heads
+    B, S_img, S_txt = 2, 12, 5
+    gen = torch.Generator().manual_seed(3)
+
+    def rows(S, scale=1.0):
+        x = scale * torch.randn(B, S, H, Dh, generator=gen)
+        x[..., 3] *= 300.0
+        x[0, 1], x[1, 2] = 0.0, -0.0
+        x[1, 0, 1, 5], x[0, 3, 0, 7] = float("inf"), float("nan")
+        return x.to(DTYPES[dtype])
+
+    img_q, img_k, txt_q, txt_k = rows(S_img), rows(S_img, 0.5), rows(S_txt), rows(S_txt, 2.0)
+    freqs = model.pos_embed([(1, 4, 3)], max_txt_seq_len=S_txt, device=torch.device("cpu"))
+    assert [tuple(f.shape) for f in freqs] == [(S_img, Dh // 2), (S_txt, Dh // 2)]
+
+    def stock(rope, norm_q):
+        iq = img_q if norm_q is None else norm_q(img_q)
+        ik, tq, tk = attn.norm_k(img_k), attn.norm_added_q(txt_q), attn.norm_added_k(txt_k)
+        if rope is not None:
+            fi, ft = rope
+            iq, ik = apply_rotary_emb_qwen(iq, fi, use_real=False), apply_rotary_emb_qwen(ik, fi, use_real=False)
+            tq, tk = apply_rotary_emb_qwen(tq, ft, use_real=False), apply_rotary_emb_qwen(tk, ft, use_real=False)
+        return torch.cat([tq, iq], dim=1), torch.cat([tk, ik], dim=1)
+
+    with torch.no_grad():
+        for rope in (freqs, None):
+            got = qwenimage.qk_norm_rope(attn, img_q, img_k, txt_q, txt_k, rope)
+            want = stock(rope, attn.norm_q)
+            assert all(same_bits(g, w) for g, w in zip(got, want)), rope is None
+        norm_q, attn.norm_q = attn.norm_q, None
+        try:
+            got = qwenimage.qk_norm_rope(attn, img_q, img_k, txt_q, txt_k, freqs)
+        finally:
+            attn.norm_q = norm_q
+        want = stock(freqs, None)
+        assert all(same_bits(g, w) for g, w in zip(got, want))
+        assert not same_bits(want[0], stock(freqs, attn.norm_q)[0])  # the missing norm mattered
+
+
+def test_missing_qk_norms_keep_stock_output():
+    """Blocks whose attention lacks some q/k norms (set to None, as qk_norm=None builds
+    them) run diffusers' branches through the copy: the same bits as stock."""
+    model = _random_qk_weights(_model("edit-2511", torch.bfloat16))
+    model.transformer_blocks[0].attn.norm_q = None
+    model.transformer_blocks[1].attn.norm_added_k = None
+    _check_identity(model, _cases(model)[2:4])
+
+
+def test_the_qk_site_changes_the_output_when_it_changes(monkeypatch):
+    """A control for the identity tests: the processor's query/key come from the joint
+    site (perturb it and the output moves)."""
+    model = _random_qk_weights(_model("image"))
+    kw = _inputs(model, 2)
+    ref = _run(model, kw)
+    real = sites.joint_qk_norm_rope_site
+    monkeypatch.setattr(sites, "joint_qk_norm_rope_site",
+                        lambda sources, freqs, rope: tuple(t * 1.5 for t in real(sources, freqs, rope)))
+    with bitfuse.accelerate(model):
+        out = _run(model, kw)
+    assert not same_bits(out[0], ref[0])
+
+
 # ---------------------------------------------------------------- tiers
 
 
@@ -413,6 +563,30 @@ def test_refuses_a_changed_diffusers_source(monkeypatch):
         bitfuse.accelerate(model, force=True).restore()
 
 
+@pytest.mark.parametrize("name", ["QwenDoubleStreamAttnProcessor2_0.__call__", "RMSNorm.forward",
+                                  "apply_rotary_emb_qwen"])
+def test_refuses_a_changed_attention_source_and_force_installs_it(monkeypatch, name):
+    """The processor's copy and what qk_norm_rope reproduces are pinned: a changed source
+    is refused with nothing installed; force=True warns and installs everything (the
+    processors included), with stock's output on this diffusers, and restores."""
+    model = _random_qk_weights(_model("edit-2511", torch.bfloat16))
+    cases = _cases(model)[2:4]
+    monkeypatch.setitem(qwenimage.VERIFIED_SOURCES, name, "0" * 64)
+    with pytest.raises(UnsupportedVersionError, match=re.escape(name) + " differs"):
+        bitfuse.accelerate(model)
+    assert _is_stock(model)
+    refs = [_run(model, kw) for kw in cases]
+    with pytest.warns(UserWarning, match="differs"):
+        handle = bitfuse.accelerate(model, force=True)
+    try:
+        assert all(type(p) is qwenimage.PROCESSORS[QwenDoubleStreamAttnProcessor2_0] for p in _processors(model))
+        for kw, ref in zip(cases, refs):
+            _assert_same(_run(model, kw), ref)
+    finally:
+        handle.restore()
+    assert _is_stock(model)
+
+
 def test_installed_diffusers_is_the_verified_one():
     """Fails when the installed diffusers' Qwen-Image code changes: re-verify and re-copy then."""
     with warnings.catch_warnings():
@@ -440,3 +614,29 @@ def test_the_kernels_read_qwen_layouts_through_the_gate(monkeypatch):
         _assert_same(_run(model, kw), ref)
     verified = {v.signature.rsplit(" ", 1)[1] for v in policy.verdicts() if v.op == "gated_residual" and v.active}
     assert verified == {"per-sample/strided", "per-token"}, [v.signature for v in policy.verdicts()]
+
+
+@pytest.mark.skipif(not HAS_TRITON or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs triton's interpreter (CPU runs)")
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_qk_kernel_runs_on_the_processors_operands(monkeypatch, variant):
+    """fp32 under Triton's interpreter, heads of 32 (narrower rows are refused by the
+    kernel's planner): the processor's call reaches the fused q/k norm + RoPE kernel
+    through the gate (a verdict for Qwen's layout: diffusers' norm, complex RoPE, two
+    sources, weights), which runs without error. The kernel reproduces CUDA's reduction
+    order, not the CPU's, so its verdict here may be a mismatch (then eager runs; the
+    GPU tests judge the bits); the output is stock's either way."""
+    model = _random_qk_weights(_model(variant, attention_head_dim=32, num_attention_heads=2,
+                                      axes_dims_rope=(8, 12, 12)))
+    kw = _inputs(model, 2, 3, condition_images=CONDITION)
+    ref = _run(model, kw)
+    monkeypatch.setattr(_params, "INTERPRET_ON_CPU", True)
+    with bitfuse.accelerate(model), warnings.catch_warnings():
+        warnings.simplefilter("ignore", policy.FallbackWarning)
+        outs = [_run(model, kw) for _ in range(2)]
+    for out in outs:
+        _assert_same(out, ref)
+    qk = [v for v in policy.verdicts() if v.op == "qk_norm_rope"]
+    assert qk and all(v.status in ("verified", "mismatch") for v in qk), [(v.signature, v.status, v.detail) for v in qk]
+    assert all(" diffusers complex " in v.signature and "2 sources" in v.signature and " weight" in v.signature
+               for v in qk), [v.signature for v in qk]

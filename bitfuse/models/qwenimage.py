@@ -29,8 +29,23 @@ output [B, 6D] (`chunk(2)` then `chunk(3)`: views, samples 6D apart):
   copy is added; eager's three `where`s stay (one `index == 0` serves all three;
   a kernel parameter choosing the row per token, like `Folded`, would save them).
 
-The text stream is never index-modulated. The attention processor (q/k RMSNorm,
-complex RoPE) and everything else run as diffusers runs them.
+The text stream is never index-modulated.
+
+The attention processor (`QwenDoubleStreamAttnProcessor2_0.__call__`) is copied too,
+with one change: its four q/k RMSNorms (diffusers' `RMSNorm(128, eps=1e-6)` with a
+weight, per head), the complex RoPE of each stream (`apply_rotary_emb_qwen(x, f,
+use_real=False)`) and the text-first concatenation of query and key run in one
+function, `qk_norm_rope`: one fused launch through `sites.joint_qk_norm_rope_site`,
+which takes the modules' own calls, diffusers' rotation and `torch.cat` wherever its
+guard refuses (and under torch.compile). A processor instance of exactly that class
+switches `__class__` to the copy (keeping its attention backend and parallel config);
+any other processor (a user's, a subclass) is left alone. Everything else (the
+projections, the joint mask, the value concatenation, attention, the split and the
+output projections) runs as diffusers runs it. Routed, the processor's only work
+outside its GEMMs and attention is the value's `torch.cat` (one copy; at batch 1
+`.to(dtype)` and the output slices' `.contiguous()` copy nothing): removing it would
+mean writing both value projections into one buffer, which `nn.Linear` can't do
+without another GEMM call than eager's.
 
 The copies are valid only for the diffusers source they were taken from:
 `accelerate` checks the diffusers version (0.42.x) and the sha256 of every
@@ -40,16 +55,20 @@ copied or reproduced function (`SOURCES`), and refuses otherwise unless `force=T
 from typing import Any
 
 import torch
-from diffusers.models.normalization import AdaLayerNormContinuous
+from diffusers.models.attention_processor import Attention
+from diffusers.models.normalization import AdaLayerNormContinuous, RMSNorm
+from diffusers.models.transformers import transformer_qwenimage as _qwen_module
 from diffusers.models.transformers.transformer_qwenimage import (
+    QwenDoubleStreamAttnProcessor2_0,
     QwenImageTransformer2DModel,
     QwenImageTransformerBlock,
+    apply_rotary_emb_qwen,
 )
 
 from .. import sites
 from . import _install, adaln
 
-__all__ = ["VERIFIED_SOURCES", "COPIES", "SOURCES", "accelerate", "stock_functions"]
+__all__ = ["COPIES", "PROCESSORS", "SOURCES", "VERIFIED_SOURCES", "accelerate", "qk_norm_rope", "stock_functions"]
 
 # ---------------------------------------------------------------- what was verified
 
@@ -61,6 +80,10 @@ VERIFIED_SOURCES = {
     "QwenImageTransformerBlock._modulate": "9ee78b512057d504ae89f8e48b1c8c552aa29a8c0f214b5095766a963c5454d7",
     # the head's norm_out: the generic layer's copy (adaln.FORWARDS)
     "AdaLayerNormContinuous.forward": adaln.VERIFIED_SOURCES["AdaLayerNormContinuous.forward"],
+    "QwenDoubleStreamAttnProcessor2_0.__call__": "e6dfad13458f15b376dfaa641bbd5b41669fc35f87dc030bc7be9737c1b1aed6",
+    # reproduced by qk_norm_rope's fused kernel (the q/k norms and the RoPE of every block)
+    "RMSNorm.forward": "ab9075d036873ac988795adb9a228b6d64cb0420123253ccb93d1d66bb323fd4",
+    "apply_rotary_emb_qwen": "62c3cf93c5e4d4eb7814a163cf8cf1ead83dbc09bf099a0776a0f9ceea8682a4",
 }
 
 
@@ -70,6 +93,9 @@ def stock_functions() -> dict:
         "QwenImageTransformerBlock.forward": QwenImageTransformerBlock.forward,
         "QwenImageTransformerBlock._modulate": QwenImageTransformerBlock._modulate,
         "AdaLayerNormContinuous.forward": AdaLayerNormContinuous.forward,
+        "QwenDoubleStreamAttnProcessor2_0.__call__": QwenDoubleStreamAttnProcessor2_0.__call__,
+        "RMSNorm.forward": RMSNorm.forward,
+        "apply_rotary_emb_qwen": apply_rotary_emb_qwen,
     }
 
 
@@ -181,10 +207,170 @@ def _block_forward(
     return encoder_hidden_states, hidden_states
 
 
+# ---------------------------------------------------------------- attention
+
+
+def qk_norm_rope(attn, img_query, img_key, txt_query, txt_key, image_rotary_emb):
+    """The q/k RMSNorms, RoPE and the text-first concatenation of query and key of a
+    Qwen-Image joint attention, as diffusers computes them: in one fused launch where
+    the kernel reproduces them (`sites.joint_qk_norm_rope_site`).
+
+    attn: the block's `Attention`; its `norm_q` / `norm_k` (image) and `norm_added_q` /
+        `norm_added_k` (text) are diffusers' `RMSNorm(head_dim, eps)` with a [head_dim]
+        weight of the model's dtype (any of them None: diffusers' lines, unfused).
+    img_query, img_key: [B, S_img, H, head_dim]; txt_query, txt_key: [B, S_txt, H, head_dim]
+        (unflattened projection outputs), one dtype.
+    image_rotary_emb: None, or (img_freqs, txt_freqs), complex64 [S_img, head_dim / 2]
+        and [S_txt, head_dim / 2] (QwenEmbedRope / QwenEmbedLayer3DRope).
+    Returns (joint_query, joint_key): [B, S_txt + S_img, H, head_dim] of the input dtype,
+    `cat([rope(norm_added(txt), txt_freqs), rope(norm(img), img_freqs)], dim=1)` with
+    diffusers' `apply_rotary_emb_qwen(x, f, use_real=False)`:
+    `view_as_real(view_as_complex(x.float() pairs) * f).type_as(x)`."""
+    norms = (attn.norm_added_q, attn.norm_added_k, attn.norm_q, attn.norm_k)
+    if any(n is None for n in norms):  # qk_norm=None: nothing to fuse; diffusers' own lines
+        if attn.norm_q is not None:
+            img_query = attn.norm_q(img_query)
+        if attn.norm_k is not None:
+            img_key = attn.norm_k(img_key)
+        if attn.norm_added_q is not None:
+            txt_query = attn.norm_added_q(txt_query)
+        if attn.norm_added_k is not None:
+            txt_key = attn.norm_added_k(txt_key)
+        if image_rotary_emb is not None:
+            img_freqs, txt_freqs = image_rotary_emb
+            img_query = apply_rotary_emb_qwen(img_query, img_freqs, use_real=False)
+            img_key = apply_rotary_emb_qwen(img_key, img_freqs, use_real=False)
+            txt_query = apply_rotary_emb_qwen(txt_query, txt_freqs, use_real=False)
+            txt_key = apply_rotary_emb_qwen(txt_key, txt_freqs, use_real=False)
+        return torch.cat([txt_query, img_query], dim=1), torch.cat([txt_key, img_key], dim=1)
+    sources = ((norms[0], norms[1], txt_query, txt_key), (norms[2], norms[3], img_query, img_key))
+    if image_rotary_emb is None:
+        return sites.joint_qk_norm_rope_site(sources, None, None)
+    img_freqs, txt_freqs = image_rotary_emb
+    # one launch: both streams normed in eager's reduction order, each rotated by its own freqs, written text first
+    # (where the guard refuses: the modules' calls, diffusers' rotation and torch.cat, as above)
+    return sites.joint_qk_norm_rope_site(sources, (txt_freqs, img_freqs), "complex")
+
+
+class _AttnProcessor(QwenDoubleStreamAttnProcessor2_0):
+    """diffusers 0.42.1 `QwenDoubleStreamAttnProcessor2_0.__call__`, the q/k norms, RoPE
+    and the query/key concatenation through `qk_norm_rope`. A stock processor instance
+    switches `__class__` to this one on accelerate (keeping its attention backend and
+    parallel config) and back on restore."""
+
+    def __call__(
+        self,
+        attn: Attention,
+        hidden_states: torch.FloatTensor,  # Image stream
+        encoder_hidden_states: torch.FloatTensor = None,  # Text stream
+        encoder_hidden_states_mask: torch.FloatTensor = None,
+        attention_mask: torch.FloatTensor | None = None,
+        image_rotary_emb: torch.Tensor | None = None,
+    ) -> torch.FloatTensor:
+        if encoder_hidden_states is None:
+            raise ValueError("QwenDoubleStreamAttnProcessor2_0 requires encoder_hidden_states (text stream)")
+
+        if attention_mask is not None:
+            raise ValueError(
+                "QwenDoubleStreamAttnProcessor2_0 does not accept an external attention_mask. "
+                "Pass encoder_hidden_states_mask to let the processor build the joint mask."
+            )
+
+        if encoder_hidden_states_mask is not None:
+            seq_img = hidden_states.shape[1]
+            image_mask = torch.ones((hidden_states.shape[0], seq_img), dtype=torch.bool, device=hidden_states.device)
+            attention_mask = torch.cat([encoder_hidden_states_mask, image_mask], dim=1)
+            attention_mask = attention_mask[:, None, None, :]
+
+        seq_txt = encoder_hidden_states.shape[1]
+
+        # Compute QKV for image stream (sample projections)
+        img_query = attn.to_q(hidden_states)
+        img_key = attn.to_k(hidden_states)
+        img_value = attn.to_v(hidden_states)
+
+        # Compute QKV for text stream (context projections)
+        txt_query = attn.add_q_proj(encoder_hidden_states)
+        txt_key = attn.add_k_proj(encoder_hidden_states)
+        txt_value = attn.add_v_proj(encoder_hidden_states)
+
+        # Reshape by a fixed `head_dim` and let `-1` absorb the head count. Under tensor parallelism each rank
+        # holds a column-sharded slice (`attn.heads // tp_degree` heads); this keeps the processor TP-agnostic.
+        # The shared Attention has no `head_dim` attribute; derive it from the unsharded `inner_dim`/`heads`.
+        head_dim = attn.inner_dim // attn.heads
+        img_query = img_query.unflatten(-1, (-1, head_dim))
+        img_key = img_key.unflatten(-1, (-1, head_dim))
+        img_value = img_value.unflatten(-1, (-1, head_dim))
+
+        txt_query = txt_query.unflatten(-1, (-1, head_dim))
+        txt_key = txt_key.unflatten(-1, (-1, head_dim))
+        txt_value = txt_value.unflatten(-1, (-1, head_dim))
+
+        # Apply QK normalization
+        # diffusers: if attn.norm_q is not None:
+        # diffusers:     img_query = attn.norm_q(img_query)
+        # diffusers: if attn.norm_k is not None:
+        # diffusers:     img_key = attn.norm_k(img_key)
+        # diffusers: if attn.norm_added_q is not None:
+        # diffusers:     txt_query = attn.norm_added_q(txt_query)
+        # diffusers: if attn.norm_added_k is not None:
+        # diffusers:     txt_key = attn.norm_added_k(txt_key)
+        # bitfuse: the norms, RoPE and the query/key concatenation below run in qk_norm_rope (one launch)
+
+        # Apply RoPE
+        # diffusers: if image_rotary_emb is not None:
+        # diffusers:     img_freqs, txt_freqs = image_rotary_emb
+        # diffusers:     img_query = apply_rotary_emb_qwen(img_query, img_freqs, use_real=False)
+        # diffusers:     img_key = apply_rotary_emb_qwen(img_key, img_freqs, use_real=False)
+        # diffusers:     txt_query = apply_rotary_emb_qwen(txt_query, txt_freqs, use_real=False)
+        # diffusers:     txt_key = apply_rotary_emb_qwen(txt_key, txt_freqs, use_real=False)
+
+        # Concatenate for joint attention
+        # Order: [text, image]
+        # diffusers: joint_query = torch.cat([txt_query, img_query], dim=1)
+        # diffusers: joint_key = torch.cat([txt_key, img_key], dim=1)
+        joint_query, joint_key = qk_norm_rope(attn, img_query, img_key, txt_query, txt_key, image_rotary_emb)
+        joint_value = torch.cat([txt_value, img_value], dim=1)
+
+        # diffusers: joint_hidden_states = dispatch_attention_fn(
+        joint_hidden_states = _qwen_module.dispatch_attention_fn(
+            joint_query,
+            joint_key,
+            joint_value,
+            attn_mask=attention_mask,
+            dropout_p=0.0,
+            is_causal=False,
+            backend=self._attention_backend,
+            parallel_config=self._parallel_config,
+        )
+
+        # Reshape back
+        joint_hidden_states = joint_hidden_states.flatten(2, 3)
+        joint_hidden_states = joint_hidden_states.to(joint_query.dtype)
+
+        # Split attention outputs back
+        txt_attn_output = joint_hidden_states[:, :seq_txt, :]  # Text part
+        img_attn_output = joint_hidden_states[:, seq_txt:, :]  # Image part
+
+        # Apply output projections
+        img_attn_output = attn.to_out[0](img_attn_output.contiguous())
+        if len(attn.to_out) > 1:
+            img_attn_output = attn.to_out[1](img_attn_output)  # dropout
+
+        txt_attn_output = attn.to_add_out(txt_attn_output.contiguous())
+
+        return img_attn_output, txt_attn_output
+
+
 #: our line-for-line copies, by the stock name they copy (tests/test_copies.py diffs them)
 COPIES = {
     "QwenImageTransformerBlock.forward": _block_forward,
+    "QwenDoubleStreamAttnProcessor2_0.__call__": _AttnProcessor.__call__,
 }
+
+#: stock attention processor class -> ours; a processor of any other class (a user's,
+#: a subclass) is left alone
+PROCESSORS = {QwenDoubleStreamAttnProcessor2_0: _AttnProcessor}
 
 SOURCES = _install.CopiedSources(
     "Qwen-Image", release="0.42", copied_from="0.42.1", sha256=VERIFIED_SOURCES, stock=stock_functions,
@@ -205,9 +391,9 @@ def _sites(model) -> list:
 
 def accelerate(model, *, quality: str = "lossless", force: bool = False) -> _install.Handle:
     """Install bitfuse's faithful forwards on `model` (a `QwenImageTransformer2DModel`):
-    its blocks and its `norm_out`; mark them as sites and mount `quality` (all or
-    nothing). Returns the handle; called again with the same quality, the existing
-    one. See `_install.accelerate` for the errors."""
+    its blocks, its `norm_out` and its stock attention processors; mark the blocks and
+    `norm_out` as sites and mount `quality` (all or nothing). Returns the handle;
+    called again with the same quality, the existing one. See `_install.accelerate` for the errors."""
     return _install.accelerate(
         model,
         _install.Handle,
@@ -217,5 +403,6 @@ def accelerate(model, *, quality: str = "lossless", force: bool = False) -> _ins
         model_class=QwenImageTransformer2DModel,
         forwards={QwenImageTransformerBlock: _block_forward,
                   AdaLayerNormContinuous: adaln.FORWARDS[AdaLayerNormContinuous]},
+        processors=PROCESSORS,
         sites=_sites,
     )

@@ -1,5 +1,7 @@
 """Qwen-Image at full width on the GPU: bitfuse lossless is bitwise diffusers'
-output, every fast path verified; bitfuse high keeps its contract.
+output, every fast path verified (the attention's fused q/k RMSNorm + complex RoPE
+included, and counted: it must run once per block in a steady forward); bitfuse high
+keeps its contract.
 
 Full width (24 heads x 128 = 3072, text width 3584), 2 layers, random weights,
 bf16, 1328 x 1328 (83 x 83 = 6889 image tokens) with 128 text tokens, as
@@ -8,6 +10,7 @@ per-token modulation) at 1024 x 1024 with one 1024 x 1024 condition image."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -19,6 +22,7 @@ import bitfuse  # noqa: E402
 from bitfuse import policy  # noqa: E402
 from bitfuse.models.qwenimage_configs import build_model, full_config, make_inputs  # noqa: E402
 from bitfuse.numerics import differing, max_ulp, same_bits  # noqa: E402
+from bitfuse.ops import qk_norm_rope as Q  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -36,10 +40,23 @@ def _model(variant: str, stressed: bool = False):
         _models.clear()  # one full-width model at a time
         torch.cuda.empty_cache()
         model = build_model(full_config(LAYERS, variant), device="cuda", dtype=torch.bfloat16, seed=int(stressed))
+        _random_qk_weights(model, seed=int(stressed))
         if stressed:
             _stress(model)
         _models[key] = model
     return _models[key]
+
+
+def _random_qk_weights(model, seed: int):
+    """The attention's q/k RMSNorm weights (they init to ones) drawn around 1, as a
+    checkpoint's are: a dropped or misplaced weight would show."""
+    from diffusers.models.normalization import RMSNorm
+
+    gen = torch.Generator().manual_seed(100 + seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, RMSNorm) and m.weight is not None:
+                m.weight.copy_(1 + 0.5 * torch.randn(m.weight.shape, generator=gen))
 
 
 def _stress(model):
@@ -83,18 +100,54 @@ def _verified(op: str, layout: str) -> bool:
     return any(v.op == op and v.active and layout in v.signature for v in policy.verdicts())
 
 
+@contextlib.contextmanager
+def _counting_qk_launches():
+    """Counts launches of the fused q/k norm + RoPE kernel (the gate calls
+    `SPEC.launch["lossless"]` for a verified signature, and twice when verifying)."""
+    launch = Q.SPEC.launch
+    real = launch["lossless"]
+    count = {"n": 0}
+
+    def counting(plan, *args, **kwargs):
+        count["n"] += 1
+        return real(plan, *args, **kwargs)
+
+    launch["lossless"] = counting
+    try:
+        yield count
+    finally:
+        launch["lossless"] = real
+
+
+def _qk_ready():
+    """The probes the Qwen layout's plan needs (eager's complex multiply form, the
+    128-wide diffusers mean order); without them the processor stays on eager."""
+    device = torch.cuda.current_device()
+    form, order = Q.complex_mul_form(device), Q.mean_order_128(device)
+    print(f"\n[probes] complex multiply form {form}; 128-wide diffusers mean order {order}")
+    assert form is not None and order is not None, (
+        "this build's complex multiply or 128-wide mean matched no known form: Qwen-Image's q/k norm + RoPE "
+        "stays on eager (see tests/gpu/test_qk_norm_rope_gpu.py)")
+
+
 def _check_lossless(model, calls):
+    _qk_ready()
     refs = [_run(model, kw)[0] for kw in calls]
     assert all(torch.isfinite(r).all() for r in refs)
-    with bitfuse.accelerate(model):
+    with bitfuse.accelerate(model), _counting_qk_launches() as qk:
+        assert all(type(m.processor).__module__ == "bitfuse.models.qwenimage"
+                   for m in model.modules() if hasattr(m, "processor"))
         for kw, ref in zip(calls, refs):
             first = _run(model, kw)[0]  # first sight: each new signature verified against eager here
+            qk["n"] = 0
             steady = _run(model, kw)[0]  # verified fast paths only
+            assert qk["n"] == LAYERS, f"the fused q/k norm + RoPE ran {qk['n']} times in a {LAYERS}-block forward"
             assert same_bits(first, ref), _describe(first, ref)
             assert same_bits(steady, ref), _describe(steady, ref)
     print(f"\nverdicts: {_verdicts()}")
     _assert_all_verified()
-    assert {v.op for v in policy.verdicts()} >= {"layer_norm_modulate", "gated_residual"}
+    assert {v.op for v in policy.verdicts()} >= {"layer_norm_modulate", "gated_residual", "qk_norm_rope"}
+    assert _verified("qk_norm_rope", "diffusers complex"), _verdicts()
     for kw, ref in zip(calls, refs):
         assert same_bits(_run(model, kw)[0], ref)  # restored
 
