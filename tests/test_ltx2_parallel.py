@@ -284,3 +284,16 @@ def test_gloo_errors_are_clear(gloo_run):
     assert "9 video tokens do not divide by 2" in errors["odd video"]
     assert "encoder_attention_mask masks some tokens" in errors["real mask"]
     assert "already enabled" in errors["twice"]
+
+
+def test_cuda_graphs_are_refused_under_context_parallelism():
+    model = build_model(tiny_config("2.0"))
+    handle = bitfuse.accelerate(model)
+    try:
+        handle.graph_options()  # no parallelism: fine
+        model._parallel_config = object()  # what diffusers' enable_parallelism records
+        with pytest.raises(RuntimeError, match="CUDA graphs are not supported with context parallelism"):
+            handle.graph_options()
+    finally:
+        model._parallel_config = None
+        handle.restore()
