@@ -10,6 +10,14 @@ entered on it and undone after. Every mode makes the same call with the same
 seed: first a one-step warm-up call (first-sight checks, CUDA-graph capture
 and compilation happen there), then the timed call. Eager, the stock
 pipeline, runs first and is the reference.
+
+Context parallelism (`torchrun --nproc-per-node N -m bitfuse run ...
+--context-parallel ulysses|ring`): every rank builds the same pipeline and runs
+eager on its own GPU first (the one-GPU reference), then the transformer is
+sharded with diffusers' engine and bitfuse's LTX-2 plan
+(bitfuse.models.ltx2_parallel) and each mode runs again across the N GPUs;
+eager under context parallelism is then the reference the other modes must equal
+bit for bit, and its difference from one GPU is reported. Rank 0 reports.
 """
 
 from __future__ import annotations
@@ -108,6 +116,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--plot", default=None, metavar="PATH", help="write a bar chart of per-step time (.png, .svg, .pdf)")
     r.add_argument("--no-progress", action="store_true",
                    help="no progress bars (there are none either when stderr is not a terminal)")
+    p = parser.add_argument_group("context parallelism (launch with torchrun --nproc-per-node N)")
+    p.add_argument("--context-parallel", choices=("ulysses", "ring"), default=None,
+                   help="split the transformer's sequences over the torchrun processes' GPUs with diffusers' "
+                        "Ulysses (all-to-all over heads) or ring attention and bitfuse's LTX-2 plan")
+    p.add_argument("--cp-anything", action="store_true",
+                   help="diffusers' uneven mode (ulysses_anything / ring_anything): sequence lengths (and, with "
+                        "Ulysses, head counts) that the GPU count does not divide")
+    p.add_argument("--cp-backend", default=None,
+                   help="diffusers attention backend for every run (default: native for ulysses, _native_cudnn "
+                        "for ring, which needs the log-sum-exp native does not return)")
 
 
 # ---------------------------------------------------------------- validation
@@ -150,9 +168,10 @@ def _resolve(args) -> dict:
     if args.guidance_scale < 0 or args.audio_guidance_scale < 0:
         raise UsageError("guidance scales must not be negative")
 
-    device = _device(args.device)
+    cp = _context_parallel(args)
+    device = cp["device"] if cp else _device(args.device)
     dtype_name = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
-    mode_list = _mode_list(args.modes, device)
+    mode_list = _mode_list(args.modes, device, cp)
 
     has_text_encoder = bool(index and index.get("text_encoder") not in (None, [None, None]))
     if args.prompt is not None and not has_text_encoder:
@@ -167,6 +186,7 @@ def _resolve(args) -> dict:
         guidance_scale=args.guidance_scale, audio_guidance_scale=args.audio_guidance_scale, seed=args.seed,
         modes=mode_list, device=device, dtype_name=dtype_name, dtype=DTYPES[dtype_name],
         out=_check_out_dir(args.out), json=_check_output("--json", args.json), plot=_check_plot(args.plot),
+        cp=cp,
     )
     if device.type == "cpu" and not args.yes:
         seconds, what = _cpu_estimate(s)
@@ -192,13 +212,17 @@ def _device(arg: str | None) -> torch.device:
     return device
 
 
-def _mode_list(arg: str | None, device: torch.device) -> list[str]:
+def _mode_list(arg: str | None, device: torch.device, cp: dict | None = None) -> list[str]:
     """The modes to run, eager (the reference) first."""
-    names = [m.strip() for m in (arg or "eager,lossless,high" + (",graphs" * (device.type == "cuda"))).split(",")]
+    graphs = device.type == "cuda" and not cp
+    names = [m.strip() for m in (arg or "eager,lossless,high" + (",graphs" * graphs)).split(",")]
     names = [m for m in names if m]
     if not names:
         raise UsageError(f"--modes is empty; choose from: {', '.join(_modes.MODES)}")
     for m in names:
+        if cp and m in ("graphs", "compile"):
+            raise UsageError(f"mode {m!r} does not run with --context-parallel (its collectives run inside the "
+                             "forward; tested are eager, lossless and high); drop it from --modes")
         try:
             _modes.check(m, device)
         except _modes.ModeError as exc:
@@ -206,6 +230,41 @@ def _mode_list(arg: str | None, device: torch.device) -> list[str]:
         except ValueError as exc:
             raise UsageError(str(exc)) from None
     return ["eager"] + [m for m in dict.fromkeys(names) if m != "eager"]
+
+
+def _context_parallel(args) -> dict | None:
+    """--context-parallel: the torchrun process's rank, world size and GPU; checked before any work."""
+    if args.context_parallel is None:
+        given = [f for f, v in (("--cp-anything", args.cp_anything), ("--cp-backend", args.cp_backend)) if v]
+        if given:
+            raise UsageError(f"{', '.join(given)} apply with --context-parallel")
+        return None
+    launch = f"torchrun --nproc-per-node N -m bitfuse run ... --context-parallel {args.context_parallel}"
+    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+        raise UsageError(f"--context-parallel runs one process per GPU: launch with {launch}")
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    if world < 2:
+        raise UsageError(f"--context-parallel with one process has nothing to split: launch {world} more with "
+                         f"{launch} (N >= 2), or drop --context-parallel")
+    if not torch.cuda.is_available():
+        raise UsageError("--context-parallel needs CUDA GPUs (NCCL); none is available here")
+    if local >= torch.cuda.device_count():
+        raise UsageError(f"process {rank} (local rank {local}) has no GPU: {torch.cuda.device_count()} here; "
+                         "use --nproc-per-node at most the GPU count")
+    if args.device not in (None, "cuda"):
+        raise UsageError(f"--device {args.device}: with --context-parallel each process takes the GPU of its "
+                         "LOCAL_RANK (cuda:LOCAL_RANK)")
+    return {"kind": args.context_parallel, "world": world, "rank": rank, "device": torch.device("cuda", local),
+            "anything": args.cp_anything,
+            "backend": args.cp_backend or ("_native_cudnn" if args.context_parallel == "ring" else None)}
+
+
+def _cp_config(cp: dict):
+    from diffusers.models._modeling_parallel import ContextParallelConfig
+
+    key = "ulysses" if cp["kind"] == "ulysses" else "ring"
+    return ContextParallelConfig(**{f"{key}_degree": cp["world"], f"{key}_anything": cp["anything"]})
 
 
 def _check_requirements() -> None:
@@ -422,6 +481,14 @@ def _run_mode(mode: str, pipe, s: dict, progress: bool) -> dict:
     return result
 
 
+def _compare_one_gpu(r: dict, single: dict) -> None:
+    """How many values of a context-parallel run differ from eager on one GPU."""
+    from .numerics import differing
+
+    for kind in ("video", "audio"):
+        r[f"one_gpu_{kind}_differing"] = differing(r[f"_{kind}"], single[f"_{kind}"])
+
+
 def _compare(r: dict, ref: dict) -> None:
     from .numerics import differing, same_bits
 
@@ -472,7 +539,9 @@ def header(report: dict) -> str:
         f"guidance {c['guidance_scale']:g} (audio {c['audio_guidance_scale']:g}), seed {c['seed']}",
         "each mode: a 1-step warm-up call (first-sight checks, graph capture, compilation), then the timed call"
         + ("; times CUDA-synchronized" if c["cuda"] else ""),
-    ])
+    ] + ([f"context parallelism: {c['context_parallel']['kind']} over {c['context_parallel']['gpus']} GPUs, "
+          f"attention backend {c['context_parallel']['attention_backend']}"
+          + (", uneven mode" if c["context_parallel"]["uneven"] else "")] if c.get("context_parallel") else []))
 
 
 def _verdict_text(r: dict) -> str:
@@ -631,18 +700,67 @@ def main(args) -> int:
 
 def _main(args) -> int:
     s = _resolve(args)
-    from .pipeline import is_ltx23, token_counts, write_mp4
-
     device = s["device"]
     cuda = device.type == "cuda"
     if cuda and device.index is not None:
         torch.cuda.set_device(device)
+    cp = s["cp"]
+    if cp:
+        return _distributed(lambda: _run(args, s), device)
+    return _run(args, s)
+
+
+def _distributed(fn, device):
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(minutes=30))
+    try:
+        return fn()
+    finally:
+        dist.destroy_process_group()
+
+
+def _enable_cp(pipe, s: dict) -> str:
+    """Shard the transformer (bitfuse.models.ltx2_parallel); returns a short description."""
+    from .models import ltx2_parallel
+
+    cp = s["cp"]
+    ltx2_parallel.enable_context_parallel(pipe.transformer, _cp_config(cp))
+    return f"{cp['kind']} x{cp['world']}" + (" (uneven)" if cp["anything"] else "")
+
+
+def _check_cp_sizes(pipe, s: dict, video_tokens: int, audio_tokens: int) -> None:
+    from .models import ltx2_parallel
+
+    text = None if pipe.text_encoder is not None else s["text_tokens"]
+    try:
+        ltx2_parallel.check_sizes(pipe.transformer.config, _cp_config(s["cp"]), video_tokens=video_tokens,
+                                  audio_tokens=audio_tokens, text_tokens=text, audio_text_tokens=text)
+    except ltx2_parallel.ContextParallelError as exc:
+        raise UsageError(f"--context-parallel {s['cp']['kind']} over {s['cp']['world']} GPUs: {exc}") from None
+
+
+def _run(args, s: dict) -> int:
+    from .pipeline import is_ltx23, token_counts, write_mp4
+
+    device = s["device"]
+    cuda = device.type == "cuda"
+    cp = s["cp"]
+    lead = not cp or cp["rank"] == 0  # the rank that reports and writes
     out = sys.stderr if s["json"] == "-" else sys.stdout  # keep stdout for the JSON
-    progress = not args.no_progress and sys.stderr.isatty()
+    if not lead:
+        out = open(os.devnull, "w")  # noqa: SIM115 - for the whole run
+    progress = not args.no_progress and sys.stderr.isatty() and lead
 
     pipe = _build(s)
     video_tokens, audio_tokens = token_counts(pipe, s["frames"], s["height"], s["width"], s["fps"])
     _check_shift(pipe, video_tokens)
+    if cp:
+        _check_cp_sizes(pipe, s, video_tokens, audio_tokens)
+        if cp["backend"]:
+            pipe.transformer.set_attention_backend(cp["backend"])
     t = pipe.transformer.config
     config = dict(
         preset=s["preset"], checkpoint=s["checkpoint"], variant="2.3" if is_ltx23(pipe.transformer) else "2.0",
@@ -653,12 +771,19 @@ def _main(args) -> int:
         video_tokens=video_tokens, audio_tokens=audio_tokens, steps=s["steps"], guidance_scale=s["guidance_scale"],
         audio_guidance_scale=s["audio_guidance_scale"], seed=s["seed"], dtype=s["dtype_name"], device=str(device),
         cuda=cuda, modes=s["modes"], pipeline=type(pipe).__name__,
+        context_parallel=None if not cp else {"kind": cp["kind"], "gpus": cp["world"], "uneven": cp["anything"],
+                                              "attention_backend": cp["backend"] or "native"},
     )
     report = dict(config=config, device_name=_device_name(device), versions=_versions(), modes=[], notes=[])
     print(header(report), file=out, flush=True)
 
     os.makedirs(s["out"], exist_ok=True)
-    results, ref = [], None
+    results, ref, single = [], None, None
+    if cp:  # eager on this rank's GPU alone: what context parallelism is compared with
+        single = _run_mode("eager", pipe, s, progress)
+        single.update(mode="eager-1gpu", speedup=1.0)
+        print(f"context parallelism: {_enable_cp(pipe, s)}; eager on one GPU first "
+              f"({single['median_step_ms']:.1f} ms a step)", file=out, flush=True)
     for mode in s["modes"]:
         try:
             r = _run_mode(mode, pipe, s, progress)
@@ -675,8 +800,11 @@ def _main(args) -> int:
                 r["speedup"] = 1.0
             else:
                 _compare(r, ref)
+            if single is not None:
+                _compare_one_gpu(r, single)
             r["video"] = os.path.join(s["out"], f"{mode}.mp4")
-            write_mp4(r["video"], pipe, r["_video"], r["_audio"], s["fps"])
+            if lead:
+                write_mp4(r["video"], pipe, r["_video"], r["_audio"], s["fps"])
             if r is not ref:
                 del r["_video"], r["_audio"]
         results.append(r)
@@ -684,6 +812,20 @@ def _main(args) -> int:
             torch.cuda.empty_cache()
 
     notes = report["notes"]
+    if single is not None:
+        e = results[0]
+        if not e.get("error"):
+            same = e["one_gpu_video_differing"] == 0 and e["one_gpu_audio_differing"] == 0
+            notes.append(
+                f"Context parallelism ({config['context_parallel']['kind']} over {cp['world']} GPUs) against one "
+                f"GPU: eager per step {single['median_step_ms']:.1f} -> {e['median_step_ms']:.1f} ms "
+                f"({single['median_step_ms'] / e['median_step_ms']:.2f}x); its output "
+                + ("is bit-identical." if same else
+                   f"differs in {e['one_gpu_video_differing']:,} video and {e['one_gpu_audio_differing']:,} audio "
+                   "values: each GPU runs the GEMMs on its share of the rows (cuBLAS may pick another algorithm "
+                   "for another row count) and attention on a share of the heads (Ulysses) or merges partial "
+                   "softmaxes in fp32 (ring); the denoising loop carries that through the steps."))
+        report["one_gpu"] = {k: v for k, v in single.items() if not k.startswith("_")}
     if not cuda:
         notes.append("No CUDA GPU: bitfuse's fast paths need one, so every mode ran the same exact eager code here; "
                      "the comparison with the stock pipeline is real, the time differences between modes are noise.")
@@ -702,6 +844,8 @@ def _main(args) -> int:
     notes.append("Videos (mp4, with the audio track): " + ", ".join(videos))
     report["modes"] = [{k: v for k, v in r.items() if not k.startswith("_")} for r in results]
     print("\n" + format_table(report) + "\n\n" + "\n".join(notes), file=out, flush=True)
+    if not lead:
+        return 1 if broken or any(r["error"] for r in results) else 0
 
     if s["json"]:
         text = json.dumps(_strict(report), indent=2, allow_nan=False)

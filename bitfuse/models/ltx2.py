@@ -1087,6 +1087,9 @@ class LTX2Handle(_install.Handle):
     def graph_options(self) -> dict:
         """Also computes, per call and before the graph, the branch of spatio-temporal
         guidance (`_hoist`): a forward with a perturbation mask then captures whole."""
+        if getattr(self.model, "_parallel_config", None) is not None:
+            raise RuntimeError("CUDA graphs are not supported with context parallelism (its collectives run "
+                               "inside the forward; ltx2_parallel)")
         return {**super().graph_options(), "hoist": _hoist}
 
 
