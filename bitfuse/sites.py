@@ -305,8 +305,8 @@ def qk_norm_rope_site(norm_q, norm_k, query, key, query_freqs, key_freqs, rope_t
     query_freqs, key_freqs: (cos, sin) pairs of fp32 tensors, or None for no RoPE
         (`key_freqs` None: the query's); rope_type: "interleaved" (cos/sin [B|1, S, C])
         or "split" (cos/sin [B, H, S, C / 2H]), None with no frequencies; or "wan"
-        (Wan's `apply_rotary_emb` on the [B, S, H, Dh] view of x, cos/sin float64
-        [1, S, 1, Dh] as WanRotaryPosEmbed returns them; the result stays [B, S, C])."""
+        (Wan's `apply_rotary_emb` on the [B, S, H, Dh] view of x, cos/sin fp32 (or
+        float64) [1, S, 1, Dh] as WanRotaryPosEmbed returns them; the result stays [B, S, C])."""
     if query_freqs is not None:
         _check_freqs("query_freqs", query_freqs)
         if key_freqs is None:

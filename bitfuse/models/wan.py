@@ -18,8 +18,8 @@ comment (tests/test_copies.py checks the copies):
 
 Each site reproduces eager's rounding bit for bit (fp32 throughout, one cast at
 the end; aten's Welford for the LayerNorms and aten's order for the RMSNorms; the
-RoPE's float64 products as WanRotaryPosEmbed's float64 tables make eager compute
-them) and is exact in every tier. With Wan 2.2 TI2V's per-token timestep the
+RoPE's products and sums in the tables' dtype: fp32 as WanRotaryPosEmbed builds
+them, float64 where a user made them so) and is exact in every tier. With Wan 2.2 TI2V's per-token timestep the
 block's parameters come from a [B, S, 6, D] fp32 sum; here each is passed as
 `Folded(table row, temb view)`, added on the fly with the same rounding, so
 that sum is never written. The attention processor (`WanAttnProcessor`) is
@@ -69,7 +69,7 @@ VERIFIED_SOURCES = {
     "WanAttnProcessor.__call__": "13c09feedcfe814ab506ebde0fec952f7afddd08e3260f73872b8d237cb0f612",
     # reproduced by the fp32-compute kernels (FP32LayerNorm on an fp32 input: F.layer_norm, then .to(fp32))
     "FP32LayerNorm.forward": "fb3a8812f75a9d8325df97c1e39495d4952622c76c846870a1aa2fba7855f869",
-    # the RoPE tables the "wan" RoPE reads: float64 [1, S, 1, Dh], cos/sin repeat-interleaved
+    # the RoPE tables the "wan" RoPE reads: fp32 [1, S, 1, Dh], cos/sin repeat-interleaved
     "WanRotaryPosEmbed.forward": "863fb1c601f5756a890344c77a159a1531067dd876aa905cc7d0cbe1a5127c01",
 }
 

@@ -20,8 +20,8 @@ Variants:
 
 `build_model` gives the dtypes `from_pretrained(torch_dtype=...)` gives: the
 modules in `_keep_in_fp32_modules` (time_embedder, scale_shift_table, norm1/2/3)
-stay fp32 and the RoPE tables (non-persistent buffers) stay float64, so the
-blocks compute their adaLN in fp32 on bf16 activations, as deployed.
+stay fp32 and the RoPE tables (non-persistent buffers, fp32) stay fp32, so the
+blocks compute their adaLN and RoPE in fp32 on bf16 activations, as deployed.
 
 Only diffusers is needed to build a model; it is imported lazily.
 """
@@ -94,7 +94,7 @@ def build_model(config: dict, *, device="cpu", dtype=torch.float32, seed: int = 
     """A random-init `WanTransformer3DModel` in eval mode, built on `device`, with the
     dtypes `from_pretrained(torch_dtype=dtype)` gives: every parameter in `dtype`
     except those of `_keep_in_fp32_modules` (matched on the parameter name's parts, as
-    diffusers' loader matches them), which stay fp32; buffers (the float64 RoPE tables)
+    diffusers' loader matches them), which stay fp32; buffers (the fp32 RoPE tables)
     as built."""
     from diffusers import WanTransformer3DModel
 

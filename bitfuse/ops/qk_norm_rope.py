@@ -44,6 +44,11 @@ ROPE (`rope_type=`), eager's fp32 products and sums, each rounded:
   (a*c - b*d, a*d + b*c), where nvcc may contract either product into an FMA;
   `complex_mul_form` probes the build once per device (inputs whose products
   round differently in each form) and the kernel follows it.
+- "wan" (Wan, x [B, S, H * Dh], cos/sin [B|1, S, 1, Dh] fp32, or float64):
+  `apply_rotary_emb` of WanAttnProcessor: pairs (x[2i], x[2i+1]) of each head
+  with c = cos[2i], s = sin[2i+1]: (a*c - b*s, a*s + b*c), products and sums
+  in the tables' dtype (x promoted), each rounded, written into x's dtype
+  (from float64: through fp32 or not as `f64_store_via_f32` probes).
 - None: the norms alone.
 Triton's unary minus is `0 - x` (loses eager's -0.0): negations are `x * -1.0`.
 Kernels launch with FMA contraction off; an FMA appears only where the
@@ -923,8 +928,8 @@ def rope_reference(x, freqs, rope_type):
 def wan_rope_reference(x, freqs):
     """diffusers 0.42.1 `WanAttnProcessor`'s `apply_rotary_emb` on x [B, S, H * Dh] (the
     processor's [B, S, H, Dh] view, flattened back), freqs (cos, sin) [B | 1, S, 1, Dh]:
-    products and sums in the frequencies' dtype (float64 as WanRotaryPosEmbed builds
-    them), written into x's dtype."""
+    products and sums in the frequencies' dtype (fp32 as WanRotaryPosEmbed builds them;
+    float64 accepted), written into x's dtype."""
     freqs_cos, freqs_sin = freqs
     hidden_states = x.unflatten(-1, (-1, freqs_cos.shape[-1]))
     x1, x2 = hidden_states.unflatten(-1, (-1, 2)).unbind(-1)
