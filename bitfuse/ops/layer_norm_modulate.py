@@ -554,9 +554,8 @@ def layer_norm_affine_fma(device) -> bool | None:
     if device.__class__ is not int:
         device = torch.device(device)
         device = -1 if device.type == "cpu" else (torch.cuda.current_device() if device.index is None else device.index)
-    known = _AFFINE_FMA.get(device, False)
-    if known is not False:
-        return known
+    if device in _AFFINE_FMA:
+        return _AFFINE_FMA[device]
     if torch.compiler.is_compiling() or (device >= 0 and torch.cuda.is_current_stream_capturing()):
         return None
     g = torch.Generator().manual_seed(0)

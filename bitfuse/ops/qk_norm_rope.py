@@ -411,9 +411,8 @@ def f64_store_via_f32(device) -> bool | None:
     2**-7); fp16 likewise with 1 + 2**-11 + 2**-40. None where neither (or not now:
     tracing, capture)."""
     device = _device_index(device)
-    known = _VIA_F32.get(device, False)
-    if known is not False:
-        return known
+    if device in _VIA_F32:
+        return _VIA_F32[device]
     if not _probe_allowed(device):
         return None
     dev = "cpu" if device < 0 else f"cuda:{device}"
