@@ -16,7 +16,6 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from bitfuse.numerics import same_bits
 from bitfuse.ops import SPECS, cases
@@ -132,7 +131,7 @@ def test_specs_are_registered_with_their_layouts():
         assert name in SPECS and SPECS[name].make_args is not None and SPECS[name].layouts
     for layout in cases.F32_PARAM_LAYOUTS:
         case = cases.Case(2, 3, 64, torch.bfloat16, layout, "randn", 0, "cpu")
-        x, scale, shift, eps = SPECS["layer_norm_modulate_f32"].make_args(case)
+        x, scale, shift, _ = SPECS["layer_norm_modulate_f32"].make_args(case)
         assert x.dtype is torch.bfloat16 and all(value32(p).dtype is torch.float32 for p in (scale, shift))
         assert value32(scale).shape in ((2, 1, 64), (2, 3, 64))
 
