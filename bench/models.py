@@ -13,7 +13,10 @@ pipeline passes. ltx2 / ltx2.3: diffusers' LTX2VideoTransformer3DModel at full w
 video + 126 audio + 256 text tokens (121 frames at 512 x 768), batch 2 as
 LTX2Pipeline runs CFG. flux, qwenimage: hooks for `bitfuse.models.flux_configs` /
 `qwenimage_configs` (FLUX.1-dev at 1024 x 1024: 4,096 image + 512 text tokens, 19
-double + 38 single blocks, B=1; Qwen-Image at 1328 x 1328, 60 layers, B=1).
+double + 38 single blocks, B=1; Qwen-Image at 1328 x 1328, 60 layers, B=1). wan,
+wan2.2-5b: `wan_configs` (Wan 2.1 14B at 832 x 480 x 81: 32,760 tokens, 40 layers;
+Wan 2.2 TI2V 5B at 1280 x 704 x 121: 27,280 tokens, per-token timestep, 30 layers;
+B=1, text 512 tokens).
 
 Method: every mode in one process, on one model, through `bitfuse.modes`.
 1. First calls, in the order eager, lossless, high, graphs, compile: the mode is
@@ -160,6 +163,29 @@ def _hook_workloads(configs, model, args, pixels):
                         configs.make_inputs(model, **kwargs))}
 
 
+#: Wan presets: (variant, height, width, frames): Wan 2.1 14B at 480p, 81 frames (21 x 60 x 104 latents,
+#: 32,760 tokens, text 512); Wan 2.2 TI2V 5B at 1280 x 704, 121 frames (27,280 tokens), per-token timestep
+WAN_VIDEO = {"2.1-14b": (480, 832, 81), "2.2-5b": (704, 1280, 121)}
+
+
+def _wan_build(configs, args, variant):
+    if args.tiny:
+        config = configs.tiny_config(variant, num_layers=args.layers or 2)
+    else:
+        config = configs.full_config(variant, args.layers)
+    return config, configs.build_model(config, device=args.device, dtype=args.dtype, seed=0)
+
+
+def _wan_workloads(configs, model, args, variant):
+    height, width, frames = (64, 96, 9) if args.tiny and variant == "2.1-14b" else \
+        (128, 160, 9) if args.tiny else WAN_VIDEO[variant]
+    tokens = configs.video_tokens(variant, height, width, frames)
+    timestep = "per-token timestep" if variant == "2.2-5b" else "per-sample timestep"
+    return {"default": (f"B={args.batch}, {width} x {height}, {frames} frames ({tokens} tokens), {timestep}",
+                        configs.make_inputs(model, args.batch, height, width, frames, variant=variant,
+                                            text_tokens=16 if args.tiny else 512))}
+
+
 LTX_OPTIONS = ("tokens", "per_token", "pass_coords")
 PRESETS = {
     p.name: p
@@ -174,6 +200,12 @@ PRESETS = {
                _hook_build, functools.partial(_hook_workloads, pixels=1024), 1),
         Preset("qwenimage", "bitfuse.models.qwenimage_configs", "Qwen-Image at 1328 x 1328, 60 layers",
                _hook_build, functools.partial(_hook_workloads, pixels=1328), 1),
+        Preset("wan", "bitfuse.models.wan_configs", "Wan 2.1 T2V 14B at 832 x 480, 81 frames (32,760 tokens)",
+               functools.partial(_wan_build, variant="2.1-14b"), functools.partial(_wan_workloads, variant="2.1-14b"),
+               1),
+        Preset("wan2.2-5b", "bitfuse.models.wan_configs",
+               "Wan 2.2 TI2V 5B at 1280 x 704, 121 frames (27,280 tokens), per-token timestep",
+               functools.partial(_wan_build, variant="2.2-5b"), functools.partial(_wan_workloads, variant="2.2-5b"), 1),
     )
 }
 

@@ -38,13 +38,16 @@ from .ops import (
     rms_norm_modulate,
     rotary,
 )
-from .ops._params import Folded, value
+from .ops._params import Folded, value, value32
 
 _MODULATE = modulate.SPEC
 _GATED_RESIDUAL = gated_residual.SPEC
 _RMS_NORM_MODULATE = rms_norm_modulate.SPECS
 _RMS_NORM = rms_norm_modulate.RMS_NORM_SPEC
 _LAYER_NORM_MODULATE = layer_norm_modulate.SPEC
+_LAYER_NORM_MODULATE_F32 = layer_norm_modulate.F32_SPEC
+_LAYER_NORM_F32 = layer_norm_modulate.AFFINE_SPEC
+_GATED_RESIDUAL_F32 = gated_residual.F32_SPEC
 _ROTARY = rotary.SPECS
 _QK_NORM_ROPE = qk_norm_rope.SPEC
 
@@ -154,6 +157,70 @@ def gated_residual_site(x, y, gate):
     return policy.gated(_GATED_RESIDUAL, "lossless", plan, (x, y, gate))
 
 
+# ---------------------------------------------------------------- fp32-compute sites (Wan)
+#
+# Wan computes its adaLN in fp32 on bf16 activations: parameters `table + temb.float()`
+# (fp32), `x.float()` through FP32LayerNorm, one rounding at `.type_as(x)`. These sites
+# take fp32 parameters (or Folded ones, summed in fp32: `value32`) and are exact in
+# every tier (one rounding already: nothing for a high tier to gain).
+
+
+def gated_residual_f32_site(x, y, gate):
+    """`(x.float() + y * gate).type_as(x)` (Wan; `y.float() * gate` is the same), bit-exact
+    in every tier. x, y: [B, S, D] or [N, D] of one dtype; gate fp32 broadcasting to x,
+    or Folded (`table + temb.float()`). Returns a tensor of x's shape and dtype."""
+    if _plain():
+        return (x.float() + y * value32(gate)).type_as(x)
+    plan = gated_residual.plan_gated_residual_f32(x, y, gate)
+    if plan.__class__ is str:
+        return gated_residual.gated_residual_f32_reference(x, y, gate)
+    return policy.gated(_GATED_RESIDUAL_F32, "lossless", plan, (x, y, gate))
+
+
+def fp32_layer_norm_kind(norm) -> str | None:
+    """"plain" for diffusers' FP32LayerNorm without affine, "affine" with weight and bias,
+    when the kernels can stand in for its call on `x.float()`; None for anything else
+    (another class or a subclass, one of weight/bias, hooks, an instance forward)."""
+    cls = type(norm)
+    if not (isinstance(norm, torch.nn.Module) and cls.__name__ == "FP32LayerNorm"
+            and cls.__module__ == "diffusers.models.normalization" and _plain_module(norm)):
+        return None
+    if len(norm.normalized_shape) != 1:
+        return None
+    if norm.weight is None and norm.bias is None:
+        return "plain"
+    if norm.weight is not None and norm.bias is not None:
+        return "affine"
+    return None
+
+
+def layer_norm_modulate_f32_site(norm, x, scale, shift):
+    """`(norm(x.float()) * (1 + scale) + shift).type_as(x)` for diffusers' FP32LayerNorm
+    without affine (Wan's norm1/norm3/norm_out), bit-exact in every tier. x: [B, S, D] or
+    [N, D], last dimension contiguous; scale, shift fp32 broadcasting to x, or Folded.
+    Any other norm module is called as it is."""
+    if _plain() or fp32_layer_norm_kind(norm) != "plain":
+        return (norm(x.float()) * (1 + value32(scale)) + value32(shift)).type_as(x)
+    args = (x, scale, shift, norm.eps)
+    plan = layer_norm_modulate.plan_layer_norm_modulate_f32(*args)
+    if plan.__class__ is str:
+        return layer_norm_modulate.layer_norm_modulate_f32_reference(*args)
+    return policy.gated(_LAYER_NORM_MODULATE_F32, "lossless", plan, args)
+
+
+def layer_norm_f32_site(norm, x):
+    """`norm(x.float()).type_as(x)` for diffusers' FP32LayerNorm with weight and bias
+    (Wan's norm2 with cross_attn_norm), bit-exact in every tier. x: [B, S, D] or [N, D],
+    last dimension contiguous. Any other module is called as it is."""
+    if _plain() or fp32_layer_norm_kind(norm) != "affine":
+        return norm(x.float()).type_as(x)
+    args = (x, norm.weight, norm.bias, norm.eps)
+    plan = layer_norm_modulate.plan_layer_norm_f32(*args)
+    if plan.__class__ is str:
+        return layer_norm_modulate.layer_norm_f32_reference(*args)
+    return policy.gated(_LAYER_NORM_F32, "lossless", plan, args)
+
+
 # ---------------------------------------------------------------- RoPE
 
 
@@ -237,7 +304,9 @@ def qk_norm_rope_site(norm_q, norm_k, query, key, query_freqs, key_freqs, rope_t
         dtype, last dimension contiguous (views of a fused projection are read in place).
     query_freqs, key_freqs: (cos, sin) pairs of fp32 tensors, or None for no RoPE
         (`key_freqs` None: the query's); rope_type: "interleaved" (cos/sin [B|1, S, C])
-        or "split" (cos/sin [B, H, S, C / 2H]), None with no frequencies."""
+        or "split" (cos/sin [B, H, S, C / 2H]), None with no frequencies; or "wan"
+        (Wan's `apply_rotary_emb` on the [B, S, H, Dh] view of x, cos/sin fp32 (or
+        float64) [1, S, 1, Dh] as WanRotaryPosEmbed returns them; the result stays [B, S, C])."""
     if query_freqs is not None:
         _check_freqs("query_freqs", query_freqs)
         if key_freqs is None:
@@ -245,7 +314,7 @@ def qk_norm_rope_site(norm_q, norm_k, query, key, query_freqs, key_freqs, rope_t
         else:
             _check_freqs("key_freqs", key_freqs)
         query_freqs, key_freqs = tuple(query_freqs), tuple(key_freqs)
-        if rope_type not in _ROTARY:
+        if rope_type not in _ROTARY and rope_type != "wan":
             raise ValueError(f"unknown rope_type {rope_type!r}; choose one of {', '.join(_ROTARY)}")
     elif key_freqs is not None:
         raise ValueError("qk_norm_rope_site: key_freqs given without query_freqs")
@@ -263,6 +332,9 @@ def qk_norm_rope_site(norm_q, norm_k, query, key, query_freqs, key_freqs, rope_t
     query, key = norm_q(query), norm_k(key)
     if rope_type is None:
         return query, key
+    if rope_type == "wan":
+        return (qk_norm_rope.rope_reference(query, query_freqs, "wan"),
+                qk_norm_rope.rope_reference(key, key_freqs, "wan"))
     return rotary_site(query, key, query_freqs, key_freqs, rope_type)
 
 
@@ -444,6 +516,10 @@ __all__ = [
     "rms_norm_modulate_site",
     "rms_norm_site",
     "layer_norm_modulate_site",
+    "gated_residual_f32_site",
+    "layer_norm_modulate_f32_site",
+    "layer_norm_f32_site",
+    "fp32_layer_norm_kind",
     "rotary_site",
     "qk_norm_rope_site",
     "joint_qk_norm_rope_site",

@@ -58,7 +58,7 @@ def test_bad_arguments_are_refused(argv, message, capsys):
 
 
 def test_registry():
-    assert list(models.PRESETS) == ["ltx2", "ltx2.3", "flux", "qwenimage"]
+    assert list(models.PRESETS) == ["ltx2", "ltx2.3", "flux", "qwenimage", "wan", "wan2.2-5b"]
     for p in models.PRESETS.values():
         assert p.module.startswith("bitfuse.models.") and p.module.endswith("_configs")
     assert "stg" in models.PRESETS["ltx2.3"].options and "stg" not in models.PRESETS["ltx2"].options
@@ -379,3 +379,19 @@ def test_cold_start_children(tmp_path):
         assert cs[phase]["lossless"]["differing"] == 0 and cs[phase]["lossless"]["first_call_s"] > 0
         assert "compile" not in cs[phase] and cs[phase]["triton_cache"].endswith("triton")
     assert "first calls, cold (empty Triton and Inductor caches): eager" in models.cold_start_text(cs)
+
+
+@pytest.mark.parametrize("preset", ["wan", "wan2.2-5b"])
+def test_wan_presets_run_on_a_cpu(tmp_path, preset):
+    """The Wan presets' whole flow on tiny models (full size: 32,760 and 27,280 tokens)."""
+    assert models.main([preset, "--tiny", "--device", "cpu", "--rounds", "1", "--per-round", "1", "--out",
+                        str(tmp_path), "--modes", "eager", "lossless"]) == 0
+    (path,) = tmp_path.glob("*.json")
+    res = json.loads(path.read_text())
+    assert res["status"] == "complete" and res["preset"] == preset
+    (w,) = res["workloads"].values()
+    assert w["modes"]["lossless"]["differing"] == 0
+    from bitfuse.models import wan_configs
+
+    assert models.WAN_VIDEO["2.1-14b"] == (480, 832, 81) and wan_configs.video_tokens("2.1-14b", 480, 832, 81) == 32760
+    assert wan_configs.video_tokens("2.2-5b", *models.WAN_VIDEO["2.2-5b"]) == 27280

@@ -2,7 +2,8 @@
 
 Supported (diffusers 0.42.x): `LTX2VideoTransformer3DModel` (`models.ltx2`),
 `FluxTransformer2DModel` (`models.flux`), `Flux2Transformer2DModel`
-(`models.flux2`), `QwenImageTransformer2DModel` (`models.qwenimage`), and any
+(`models.flux2`), `QwenImageTransformer2DModel` (`models.qwenimage`),
+`WanTransformer3DModel` (`models.wan`), and any
 other diffusers model through the shared adaLN modules it holds
 (`AdaLayerNormZero`, `AdaLayerNormZeroSingle`, `AdaLayerNormContinuous`,
 `SD35AdaLayerNormZeroX`: `models.adaln`; a model with none is refused). A
@@ -53,6 +54,7 @@ _REGISTRY = {
     "QwenImageTransformer2DModel": "bitfuse.models.qwenimage",
     "FluxTransformer2DModel": "bitfuse.models.flux",
     "Flux2Transformer2DModel": "bitfuse.models.flux2",
+    "WanTransformer3DModel": "bitfuse.models.wan",
     "ModelMixin": "bitfuse.models.adaln",  # any other diffusers model: its shared adaLN modules (last)
 }
 

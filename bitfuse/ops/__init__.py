@@ -24,9 +24,12 @@ SPECS: dict[str, OpSpec] = {
     for spec in (
         modulate.SPEC,
         gated_residual.SPEC,
+        gated_residual.F32_SPEC,
         *rms_norm_modulate.SPECS.values(),
         rms_norm_modulate.RMS_NORM_SPEC,
         layer_norm_modulate.SPEC,
+        layer_norm_modulate.F32_SPEC,
+        layer_norm_modulate.AFFINE_SPEC,
         *rotary.SPECS.values(),
         qk_norm_rope.SPEC,
     )

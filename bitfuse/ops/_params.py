@@ -107,16 +107,32 @@ def value(p):
     return p.value() if p.__class__ is Folded else p
 
 
-def table_of(p, x: torch.Tensor):
+def value32(p):
+    """A parameter's fp32 tensor as Wan's eager computes it: a Folded one is
+    `table + temb.float()` (an fp32 sum, rounded once; the same bits as
+    `table.float() + temb.float()` for any table dtype up to fp32)."""
+    return p.table.float() + p.temb.float() if p.__class__ is Folded else p
+
+
+def table_of(p, x: torch.Tensor, f32: bool = False):
     """(tensor read with x's broadcast, table row or None, why-not or None) for one
     parameter: a Folded one folds when its table row is a [D] row of x's dtype and
-    device (anything else, e.g. a promoting dtype, is materialised by the caller)."""
+    device (anything else, e.g. a promoting dtype, is materialised by the caller).
+    f32: the fp32-compute ops' Folded (`value32`): table and temb of any 16/32-bit
+    float dtype, summed in fp32."""
     if p.__class__ is not Folded:
         return p, None, None
     t = p.table
     if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.shape[0] != x.shape[-1]:
         return None, None, "table row is not [D]"
-    if t.dtype is not x.dtype or p.temb.dtype is not x.dtype:
+    if not isinstance(p.temb, torch.Tensor):
+        return None, None, "temb is not a tensor"
+    if f32:
+        if t.dtype not in SUPPORTED_DTYPES or p.temb.dtype not in SUPPORTED_DTYPES:
+            return None, None, "table/temb dtype is not bf16, fp16 or fp32"
+        if p.temb.get_device() != x.get_device():
+            return None, None, "temb on another device"
+    elif t.dtype is not x.dtype or p.temb.dtype is not x.dtype:
         return None, None, "table/temb dtype differs from x's (eager promotes)"
     if t.get_device() != x.get_device():
         return None, None, "table on another device"

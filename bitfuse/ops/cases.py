@@ -120,6 +120,36 @@ def param(case: Case, gen: torch.Generator, n: int = 3, scale: float = 1.0) -> t
     raise ValueError(f"unknown parameter layout {layout!r}; choose one of {', '.join(PARAM_LAYOUTS)}")
 
 
+# fp32 parameter layouts (Wan: parameters `scale_shift_table + temb.float()`, fp32, x bf16)
+#   wan-sample     [B, 1, D] fp32 views `(table + temb.float()).chunk(6, dim=1)[i]` (Wan 2.1, 2.2 A14B)
+#   wan-token      [B, S, D] fp32 views of the [B, S, 6, D] sum, chunked on dim 2 and squeezed (Wan 2.2 TI2V)
+#   per-sample     [B, 1, D] fp32 dense
+#   folded         Folded(fp32 [D] table row, [B, 1, D] view of temb in x's dtype): summed in fp32
+#   folded-token   Folded(fp32 [D] table row, [B, S, D] view of temb in x's dtype)
+F32_PARAM_LAYOUTS = ("wan-sample", "wan-token", "per-sample", "folded", "folded-token")
+
+
+def param_f32(case: Case, gen: torch.Generator, n: int = 3, scale: float = 1.0) -> tuple:
+    """`n` fp32 parameters of x's width in `case.layout` (F32_PARAM_LAYOUTS): what the
+    fp32-compute ops take; temb in x's dtype."""
+    B, S, D, dtype, device = case.B, case.S, case.D, case.dtype, case.device
+    layout, data = case.layout, case.data
+
+    def d(shape, dt=torch.float32):
+        return draw(shape, dt, data, gen, device, scale)
+
+    if layout == "wan-sample":
+        return (d((1, 6, D)) + d((B, 6, D), dtype).float()).chunk(6, dim=1)[:n]
+    if layout == "wan-token":
+        return tuple(c.squeeze(2) for c in (d((1, 1, 6, D)) + d((B, S, 6, D), dtype).float()).chunk(6, dim=2)[:n])
+    if layout == "per-sample":
+        return tuple(d((B, 1, D)) for _ in range(n))
+    if layout in ("folded", "folded-token"):
+        table, temb = d((6, D)), d((B, S if layout == "folded-token" else 1, 6, D), dtype)
+        return tuple(Folded(table[i], temb[:, :, i]) for i in range(n))
+    raise ValueError(f"unknown fp32 parameter layout {layout!r}; choose one of {', '.join(F32_PARAM_LAYOUTS)}")
+
+
 def activation(case: Case, gen: torch.Generator, scale: float = 2.0) -> torch.Tensor:
     """x of `case`: [B, S, D], dense or (`case.strided`) a view with padded rows."""
     B, S, D = case.B, case.S, case.D

@@ -42,6 +42,7 @@ from ._params import (
     rows_of,
     table_of,
     value,
+    value32,
 )
 from .spec import OpSpec
 
@@ -58,6 +59,7 @@ def _gated_residual_kernel(
     gt_sd,
     GATE_PER_ROW: tl.constexpr,
     GATE_TABLE: tl.constexpr,
+    F32: tl.constexpr,  # the fp32-compute variant: no rounding before the store
     EVEN: tl.constexpr,
     INT64: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -75,15 +77,20 @@ def _gated_residual_kernel(
     dtype = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + ((b * x_sb + s * x_ss)[:, None] + (cols * x_sd)[None, :]), mask=mask).to(tl.float32)
     y = tl.load(y_ptr + ((b * y_sb + s * y_ss)[:, None] + (cols * y_sd)[None, :]), mask=mask).to(tl.float32)
-    gate = load_row_param(gate_ptr, b, s, cols, g_sb, g_ss, g_sd, mask, col_ok, gate_table_ptr, gt_sd,
-                          GATE_PER_ROW, GATE_TABLE, dtype)
-
-    m = (y * gate).to(dtype).to(tl.float32)  # eager: y * gate
+    if F32:  # eager: (x.float() + y * gate).type_as(x), gate fp32 (a Folded one: table + temb.float())
+        gate = load_row_param(gate_ptr, b, s, cols, g_sb, g_ss, g_sd, mask, col_ok, gate_table_ptr, gt_sd,
+                              GATE_PER_ROW, GATE_TABLE, tl.float32)
+        m = y * gate  # fp32 product, rounded in fp32
+    else:
+        gate = load_row_param(gate_ptr, b, s, cols, g_sb, g_ss, g_sd, mask, col_ok, gate_table_ptr, gt_sd,
+                              GATE_PER_ROW, GATE_TABLE, dtype)
+        m = (y * gate).to(dtype).to(tl.float32)  # eager: y * gate
     out = x + m  # eager: x + m
     tl.store(out_ptr + (((b * S + s) * D)[:, None] + cols[None, :]), out.to(dtype), mask=mask)
 
 
-_launch = FastLaunch(_gated_residual_kernel, ("GATE_PER_ROW", "GATE_TABLE", "EVEN", "INT64", "BLOCK_R", "BLOCK_D", "NCB"))
+_launch = FastLaunch(_gated_residual_kernel, ("GATE_PER_ROW", "GATE_TABLE", "F32", "EVEN", "INT64", "BLOCK_R", "BLOCK_D",
+                                              "NCB"))
 
 
 # ---------------------------------------------------------------- launcher
@@ -102,6 +109,7 @@ class GatedResidualPlan(NamedTuple):
     wide: bool  # offsets may pass 2**31: index in int64
     recipe: Recipe  # the default launch
     gate_table: torch.Tensor | None = None  # Folded gate: the table row added on the fly
+    f32: bool = False  # the fp32-compute variant (`gated_residual_f32`)
 
 
 _geometry = GeometryCache()
@@ -128,7 +136,45 @@ def plan_gated_residual(x, y, gate, tier: str = "lossless") -> GatedResidualPlan
     return GatedResidualPlan(x, y, gate, *geometry, table)
 
 
-def _geometry_of(x, y, gate, table=None, wide=None):
+def plan_gated_residual_f32(x, y, gate, tier: str = "lossless") -> GatedResidualPlan | str:
+    """The guard of the fp32-compute variant `(x.float() + y * gate).type_as(x)`: x and y
+    of one dtype (bf16, fp16 or fp32), gate fp32 (or Folded, summed in fp32 as
+    `value32`); a plan, or the reason the call takes the reference."""
+    if not HAS_TRITON:
+        return "triton is not installed"
+    table = None
+    if gate.__class__ is Folded:
+        gate, table, why = table_of(gate, x, f32=True)
+        if why:
+            return why
+    elif not isinstance(gate, torch.Tensor):
+        return "gate is not a tensor"
+    elif gate.dtype is not torch.float32:
+        return "gate is not fp32 (the fp32-compute variant)"
+    why = common_device_dtype(x, y) or _same_device_no_grad(x, gate, table)
+    if why:
+        return why
+    cache_key = (x.shape, x.stride(), y.shape, y.stride(), gate.shape, gate.stride(), x.dtype, x.get_device(),
+                 table is None or (table.stride(), table.dtype), gate.dtype, "f32")
+    geometry = _geometry.get(cache_key, _geometry_of, x, y, gate, table, None, True)
+    if geometry.__class__ is str:
+        return geometry
+    return GatedResidualPlan(x, y, gate, *geometry, table, True)
+
+
+def _same_device_no_grad(x, *params) -> str | None:
+    grad = torch.is_grad_enabled()
+    for p in params:
+        if p is None:
+            continue
+        if p.get_device() != x.get_device():
+            return "operands on different devices"
+        if grad and p.requires_grad:
+            return "autograd needs the eager graph"
+    return None
+
+
+def _geometry_of(x, y, gate, table=None, wide=None, f32=False):
     """The guard's per-layout work and the default launch (`wide`: force int64 offsets, for tests)."""
     r = rows_of(x)
     if r is None:
@@ -145,16 +191,18 @@ def _geometry_of(x, y, gate, table=None, wide=None):
         (r.B, r.sb), (r.S, r.ss), (r.D, r.sd), (r.B, yr.sb), (r.S, yr.ss), (r.D, yr.sd), (r.B, g[0]), (r.S, g[1]), (r.D, g[2])
     )
     key = (x.dtype, x.get_device(), layout_class(g, gate) + ("+table" if table is not None else ""))
+    if f32:
+        key += (f"f32 {gate.dtype}" + ("" if table is None else f"+{table.dtype}"),)
     config = launch_shape(r.D, r.B * r.S, x.element_size(), 3 + (g[1] != 0))
-    return r, yr, g, key, wide, _recipe(r, yr, g, wide, table, config)
+    return r, yr, g, key, wide, _recipe(r, yr, g, wide, table, config, f32)
 
 
-def _recipe(r: Rows, yr: Rows, g, wide, gt, config) -> Recipe:
+def _recipe(r: Rows, yr: Rows, g, wide, gt, config, f32=False) -> Recipe:
     block_r, block_d, num_warps = config
     return Recipe(
         (cdiv(r.S, block_r) * cdiv(r.D, block_d), 1, r.B),
         (r.S, r.D, r.sb, r.ss, r.sd, yr.sb, yr.ss, yr.sd, *g, 0 if gt is None else gt.stride(0)),
-        (g[1] != 0, gt is not None, r.S % block_r == 0 and r.D % block_d == 0, wide, block_r, block_d,
+        (g[1] != 0, gt is not None, f32, r.S % block_r == 0 and r.D % block_d == 0, wide, block_r, block_d,
          cdiv(r.D, block_d)),
         num_warps,
     )
@@ -166,7 +214,8 @@ def launch_gated_residual(plan: GatedResidualPlan, out=None, config=None) -> tor
     x, gt = plan.x, plan.gate_table
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    recipe = plan.recipe if config is None else _recipe(plan.rows, plan.y_rows, plan.g_strides, plan.wide, gt, config)
+    recipe = plan.recipe if config is None else _recipe(plan.rows, plan.y_rows, plan.g_strides, plan.wide, gt, config,
+                                                        plan.f32)
     _launch.launch(recipe, (x, plan.y, plan.gate, out, plan.gate if gt is None else gt))
     return out
 
@@ -179,12 +228,27 @@ def gated_residual(x, y, gate) -> torch.Tensor:
     return launch_gated_residual(plan)
 
 
+def gated_residual_f32(x, y, gate) -> torch.Tensor:
+    """`(x.float() + y * gate).type_as(x)` (Wan), guarded but ungated."""
+    plan = plan_gated_residual_f32(x, y, gate)
+    if plan.__class__ is str:
+        return gated_residual_f32_reference(x, y, gate)
+    return launch_gated_residual(plan)
+
+
 # ---------------------------------------------------------------- reference
 
 
 def gated_residual_reference(x, y, gate) -> torch.Tensor:
     """The eager expression, as models write it (a Folded gate materialised first)."""
     return x + y * value(gate)
+
+
+def gated_residual_f32_reference(x, y, gate) -> torch.Tensor:
+    """Wan's eager expression: `(x.float() + y * gate).type_as(x)` with an fp32 gate
+    (`y * gate` promotes y exactly, so `y.float() * gate`, Wan's feed-forward form, is
+    the same); a Folded gate is `table + temb.float()` (`value32`)."""
+    return (x.float() + y * value32(gate)).type_as(x)
 
 
 def _reference64(x, y, gate) -> torch.Tensor:
@@ -200,6 +264,22 @@ def _make_args(case: cases.Case) -> tuple:
     x = cases.activation(case, gen)
     y = cases.draw((case.B, case.S, case.D), case.dtype, case.data, gen, case.device)
     (gate,) = cases.param(case, gen, 1)
+    return x, y, gate
+
+
+def _f32_reference64(x, y, gate) -> torch.Tensor:
+    return x.double() + y.double() * value32(gate).double()
+
+
+def _f32_terms(x, y, gate) -> torch.Tensor:
+    return x.double().abs().maximum((y.double() * value32(gate).double()).abs())
+
+
+def _f32_make_args(case: cases.Case) -> tuple:
+    gen = case.generator()
+    x = cases.activation(case, gen)
+    y = cases.draw((case.B, case.S, case.D), case.dtype, case.data, gen, case.device)
+    (gate,) = cases.param_f32(case, gen, 1)
     return x, y, gate
 
 
@@ -223,3 +303,24 @@ def _gated_residual_op(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> 
 
 
 gated_residual_op = register_op("gated_residual", _gated_residual_op, gated_residual_reference)
+
+
+# ---------------------------------------------------------------- the fp32-compute variant (Wan)
+
+F32_SPEC = OpSpec(
+    name="gated_residual_f32",
+    reference=gated_residual_f32_reference,
+    plan=plan_gated_residual_f32,
+    launch={"lossless": launch_gated_residual},
+    reference64=_f32_reference64,
+    terms=_f32_terms,
+    make_args=_f32_make_args,
+    layouts=cases.F32_PARAM_LAYOUTS,
+)
+
+
+def _gated_residual_f32_op(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return gated_residual_f32(x, y, gate)
+
+
+gated_residual_f32_op = register_op("gated_residual_f32", _gated_residual_f32_op, gated_residual_f32_reference)

@@ -59,6 +59,7 @@ import torch.nn.functional as F
 
 from . import cases
 from ._launch import (
+    HAS_TRITON,
     INTERPRET,
     FastLaunch,
     cdiv,
@@ -81,7 +82,15 @@ from ._norm import (
     program_rows,
     rsqrt,
 )
-from ._params import layout_class
+from ._params import (
+    Folded,
+    broadcast_strides,
+    common_device_dtype,
+    layout_class,
+    rows_of,
+    table_of,
+    value32,
+)
 from .modulate import modulate_reference
 from .spec import OpSpec
 
@@ -181,12 +190,13 @@ def _halves(v, R: tl.constexpr, G: tl.constexpr, H: tl.constexpr):
 
 @row_kernel("S", "write_stats")
 def _layer_norm_modulate_exact_kernel(
-    x_ptr, scale_ptr, shift_ptr, out_ptr, stats_ptr,
+    x_ptr, scale_ptr, shift_ptr, out_ptr, stats_ptr, scale_table_ptr, shift_table_ptr,
     S, write_stats,
     x_sb, x_ss,
     c_sb, c_ss, c_sd,
     h_sb, h_ss, h_sd,
     eps, fD,
+    ct_sd, ht_sd,
     D: tl.constexpr,
     WELFORD_FMA: tl.constexpr,
     MEAN_V: tl.constexpr,
@@ -195,6 +205,11 @@ def _layer_norm_modulate_exact_kernel(
     BLOCK_D: tl.constexpr,
     RSQRT_ASM: tl.constexpr,
     R: tl.constexpr,
+    F32: tl.constexpr,  # fp32 compute (Wan): n, 1 + scale, the product and the sum stay fp32; one rounding at the store
+    MODE: tl.constexpr,  # 0: modulate; 1: affine, `weight * n + bias` (scale_ptr: weight, shift_ptr: bias; PASS2 = 2)
+    AFFINE_FMA: tl.constexpr,  # MODE 1: aten's `gamma * n + beta` as one FMA (nvcc's contraction), else two roundings
+    SCALE_TABLE: tl.constexpr,  # F32 and PASS2 = 2: Folded scale, `table_row + temb` summed in fp32
+    SHIFT_TABLE: tl.constexpr,
 ):
     L: tl.constexpr = 128
     NV: tl.constexpr = D // 4
@@ -261,15 +276,38 @@ def _layer_norm_modulate_exact_kernel(
     # pass 2: normalise, modulate with eager's three roundings, store
     if PASS2 == 2:  # elementwise: any thread may take any element, so wide tiles
         cols = tl.arange(0, BLOCK_D)
-        m2 = rmask[:, None] & (cols < D)[None, :]
+        cok = cols < D
+        m2 = rmask[:, None] & cok[None, :]
         xf = tl.load(x_ptr + (x_row[:, None] + cols[None, :]), mask=m2, other=0.0,
                      eviction_policy="evict_first").to(tl.float32)
-        n = (rstd[:, None] * (xf - mean[:, None])).to(dtype).to(tl.float32)
-        scale = tl.load(scale_ptr + (c_row[:, None] + cols[None, :] * c_sd), mask=m2, other=0.0).to(tl.float32)
-        shift = tl.load(shift_ptr + (h_row[:, None] + cols[None, :] * h_sd), mask=m2, other=0.0).to(tl.float32)
-        t = (1.0 + scale).to(dtype).to(tl.float32)
-        p = (n * t).to(dtype).to(tl.float32)
-        tl.store(out_ptr + (o_row[:, None] + cols[None, :]), (p + shift).to(dtype), mask=m2, cache_modifier=".cs")
+        if MODE == 1:  # aten's affine epilogue in fp32: gamma * (rstd * (x - mean)) + beta
+            n = rstd[:, None] * (xf - mean[:, None])
+            w = tl.load(scale_ptr + cols * c_sd, mask=cok, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            bb = tl.load(shift_ptr + cols * h_sd, mask=cok, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            if AFFINE_FMA:
+                y = tl.fma(w[None, :], n, bb[None, :])
+            else:
+                y = w[None, :] * n + bb[None, :]
+            tl.store(out_ptr + (o_row[:, None] + cols[None, :]), y.to(dtype), mask=m2, cache_modifier=".cs")
+        elif F32:  # (layer_norm(x.float()) * (1 + scale) + shift).type_as(x): fp32 throughout
+            n = rstd[:, None] * (xf - mean[:, None])
+            scale = tl.load(scale_ptr + (c_row[:, None] + cols[None, :] * c_sd), mask=m2, other=0.0).to(tl.float32)
+            shift = tl.load(shift_ptr + (h_row[:, None] + cols[None, :] * h_sd), mask=m2, other=0.0).to(tl.float32)
+            if SCALE_TABLE:  # eager: table + temb.float(), one fp32 rounding
+                scale = scale + tl.load(scale_table_ptr + cols * ct_sd, mask=cok, other=0.0,
+                                        eviction_policy="evict_last").to(tl.float32)[None, :]
+            if SHIFT_TABLE:
+                shift = shift + tl.load(shift_table_ptr + cols * ht_sd, mask=cok, other=0.0,
+                                        eviction_policy="evict_last").to(tl.float32)[None, :]
+            y = n * (1.0 + scale) + shift  # fusion off: the sum, the product and the sum each rounded in fp32
+            tl.store(out_ptr + (o_row[:, None] + cols[None, :]), y.to(dtype), mask=m2, cache_modifier=".cs")
+        else:
+            n = (rstd[:, None] * (xf - mean[:, None])).to(dtype).to(tl.float32)
+            scale = tl.load(scale_ptr + (c_row[:, None] + cols[None, :] * c_sd), mask=m2, other=0.0).to(tl.float32)
+            shift = tl.load(shift_ptr + (h_row[:, None] + cols[None, :] * h_sd), mask=m2, other=0.0).to(tl.float32)
+            t = (1.0 + scale).to(dtype).to(tl.float32)
+            p = (n * t).to(dtype).to(tl.float32)
+            tl.store(out_ptr + (o_row[:, None] + cols[None, :]), (p + shift).to(dtype), mask=m2, cache_modifier=".cs")
     else:
         for j in tl.static_range(NJ):
             col = (j * 4 * L + within)[None, :, :]
@@ -323,14 +361,20 @@ _launch_high = FastLaunch(_layer_norm_modulate_high_kernel)
 
 
 class LayerNormModulatePlan:
-    """A call that passed the guard: operands, geometry, the kernel and the gate key."""
+    """A call that passed the guard: operands, geometry, the kernel and the gate key.
+    f32: the fp32-compute variant; mode 1: the affine layer norm (scale: weight,
+    shift: bias) with `fma` its epilogue form; scale_table/shift_table: Folded rows."""
 
-    __slots__ = ("x", "scale", "shift", "rows", "c_strides", "h_strides", "eps", "key", "exact")
+    __slots__ = ("x", "scale", "shift", "rows", "c_strides", "h_strides", "eps", "key", "exact", "f32", "mode", "fma",
+                 "scale_table", "shift_table")
 
-    def __init__(self, x, scale, shift, rows, c_strides, h_strides, eps, key, exact):
+    def __init__(self, x, scale, shift, rows, c_strides, h_strides, eps, key, exact, f32=False, mode=0, fma=False,
+                 scale_table=None, shift_table=None):
         self.x, self.scale, self.shift = x, scale, shift
         self.rows, self.c_strides, self.h_strides = rows, c_strides, h_strides
         self.eps, self.key, self.exact = eps, key, exact
+        self.f32, self.mode, self.fma = f32, mode, fma
+        self.scale_table, self.shift_table = scale_table, shift_table
 
 
 def plan_layer_norm_modulate(x, scale, shift, eps, tier: str = "lossless"):
@@ -378,12 +422,19 @@ def launch_layer_norm_modulate(plan, out=None, config=None, stats=None) -> torch
     tensors = (x, plan.scale, plan.shift, out)
     if plan.exact:
         R, num_warps, pass2 = (tuple(config) + (PASS2,))[:3] if config else exact_launch_shape(plan) + (PASS2,)
+        ct, ht = plan.scale_table, plan.shift_table
+        if plan.f32 or plan.mode:
+            pass2 = 2  # the fp32-compute and affine epilogues are written for the wide second pass
         _launch_exact(
-            (cdiv(r.S, R), r.B), tensors + (dummy_stats(x) if stats is None else stats,),
+            (cdiv(r.S, R), r.B),
+            tensors + (dummy_stats(x) if stats is None else stats, plan.scale if ct is None else ct,
+                       plan.shift if ht is None else ht),
             (r.S, int(stats is not None), r.sb, r.ss, *plan.c_strides, *plan.h_strides,
-             plan.eps, float(r.D)),
+             plan.eps, float(r.D), 0 if ct is None else ct.stride(0), 0 if ht is None else ht.stride(0)),
             dict(D=r.D, WELFORD_FMA=WELFORD_FMA, MEAN_V=MEAN_V, SIG_FMA=SIG_FMA,
-                 PASS2=pass2, BLOCK_D=next_pow2(r.D), RSQRT_ASM=RSQRT_ASM and not INTERPRET, R=R),
+                 PASS2=pass2, BLOCK_D=next_pow2(r.D), RSQRT_ASM=RSQRT_ASM and not INTERPRET, R=R,
+                 F32=plan.f32, MODE=plan.mode, AFFINE_FMA=plan.fma, SCALE_TABLE=ct is not None,
+                 SHIFT_TABLE=ht is not None),
             dict(num_warps=num_warps, enable_fp_fusion=False),
         )
     else:
@@ -407,12 +458,182 @@ def layer_norm_modulate(x, scale, shift, eps: float, *, tier: str = "lossless") 
     return launch_layer_norm_modulate(plan)
 
 
+# ---------------------------------------------------------------- the fp32-compute variants (Wan)
+
+
+def _check_f32_rows(x):
+    """(rows, None) for the fp32-compute variants' x, or (None, why): x of bf16, fp16 or
+    fp32, 2-D/3-D, last dimension contiguous, D a multiple of 4 (aten's vectorized
+    kernel on `x.float()`) and at most MAX_D; an fp32 x (`x.float()` is x itself) must
+    be 4-element aligned where contiguous, as aten requires (a bf16/fp16 x's `.float()`
+    is a fresh, aligned tensor)."""
+    if not HAS_TRITON:
+        return None, "triton is not installed"
+    why = common_device_dtype(x)
+    if why:
+        return None, why
+    rows = rows_of(x)
+    if rows is None:
+        return None, f"x must be 2-D or 3-D, got {x.dim()}-D"
+    if x.numel() == 0:
+        return None, "empty tensor"
+    if rows.sd != 1:
+        return None, "x's last dimension is not contiguous"
+    if rows.D > MAX_D:
+        return None, f"D={rows.D} > {MAX_D}: row too wide for the register-resident kernels"
+    if rows.D % 4:
+        return None, f"D={rows.D} is not a multiple of 4 (aten takes RowwiseMomentsCUDAKernel)"
+    if x.dtype is torch.float32 and x.is_contiguous() and x.data_ptr() % 16:
+        return None, "x is not 4-element aligned (aten takes RowwiseMomentsCUDAKernel)"
+    return rows, None
+
+
+def _fp32_param(p, x, name):
+    """(tensor, table row or None, strides, why): an fp32 parameter (or Folded, summed
+    in fp32) broadcasting to x."""
+    table = None
+    if p.__class__ is Folded:
+        p, table, why = table_of(p, x, f32=True)
+        if why:
+            return None, None, None, why
+    elif not isinstance(p, torch.Tensor):
+        return None, None, None, f"{name} is not a tensor"
+    elif p.dtype is not torch.float32:
+        return None, None, None, f"{name} is not fp32 (the fp32-compute variant)"
+    grad = torch.is_grad_enabled()
+    for t in (p, table):
+        if t is not None:
+            if t.get_device() != x.get_device():
+                return None, None, None, "operands on different devices"
+            if grad and t.requires_grad:
+                return None, None, None, "autograd needs the eager graph"
+    strides = broadcast_strides(p, x.shape)
+    if strides is None:
+        return None, None, None, f"{name} does not broadcast to x's shape"
+    return p, table, strides, None
+
+
+def plan_layer_norm_modulate_f32(x, scale, shift, eps, tier: str = "lossless"):
+    """The guard of `(layer_norm(x.float()) * (1 + scale) + shift).type_as(x)` (Wan's
+    adaLN, exact in every tier: one rounding already): x bf16/fp16/fp32, scale and
+    shift fp32 (or Folded: `table + temb.float()`); a plan, or why the call takes the
+    reference."""
+    rows, why = _check_f32_rows(x)
+    if why:
+        return why
+    scale, ct, c, why = _fp32_param(scale, x, "scale")
+    if why:
+        return why
+    shift, ht, h, why = _fp32_param(shift, x, "shift")
+    if why:
+        return why
+    key = (x.dtype, x.get_device(), layout_class(c, scale) + ("+table" if ct is not None else ""),
+           layout_class(h, shift) + ("+table" if ht is not None else ""), "layer_norm_f32", f"D={rows.D}", "welford")
+    return LayerNormModulatePlan(x, scale, shift, rows, c, h, float(eps), key, True, f32=True, scale_table=ct,
+                                 shift_table=ht)
+
+
+def layer_norm_modulate_f32(x, scale, shift, eps: float) -> torch.Tensor:
+    """`(layer_norm(x.float()) * (1 + scale) + shift).type_as(x)`, guarded but ungated."""
+    plan = plan_layer_norm_modulate_f32(x, scale, shift, eps)
+    if plan.__class__ is str:
+        return layer_norm_modulate_f32_reference(x, scale, shift, eps)
+    return launch_layer_norm_modulate(plan)
+
+
+_AFFINE_FMA: dict = {}
+
+
+def layer_norm_affine_fma(device) -> bool | None:
+    """Whether aten's vectorized LayerNorm (fp32, with weight and bias) on this device
+    (a CUDA index; -1 the CPU) computes `gamma * n + beta` as one FMA (nvcc contracts
+    it) rather than rounding the product first. Probed once per device: the op's own
+    mean and rstd (`native_layer_norm`) rebuild n = rstd * (x - mean) exactly, and the
+    output is compared with both forms (the FMA form from float64, where the product
+    is exact). None where neither matches, or it can't be probed now (tracing, capture)."""
+    if device.__class__ is not int:
+        device = torch.device(device)
+        device = -1 if device.type == "cpu" else (torch.cuda.current_device() if device.index is None else device.index)
+    if device in _AFFINE_FMA:
+        return _AFFINE_FMA[device]
+    if torch.compiler.is_compiling() or (device >= 0 and torch.cuda.is_current_stream_capturing()):
+        return None
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(64, 512, generator=g), torch.randn(512, generator=g), torch.randn(512, generator=g)
+    dev = "cpu" if device < 0 else f"cuda:{device}"
+    out, mean, rstd = (t.cpu() for t in torch.native_layer_norm(x.to(dev), (512,), w.to(dev), b.to(dev), 1e-6))
+    n = rstd * (x - mean)
+    rounded = n * w + b
+    fused = (n.double() * w.double() + b.double()).float()
+    if torch.equal(out, fused) and not torch.equal(out, rounded):
+        result = True
+    elif torch.equal(out, rounded) and not torch.equal(out, fused):
+        result = False
+    else:
+        result = None
+    _AFFINE_FMA[device] = result
+    return result
+
+
+def plan_layer_norm_f32(x, weight, bias, eps, tier: str = "lossless"):
+    """The guard of `F.layer_norm(x.float(), (D,), weight.float(), bias.float(), eps).type_as(x)`
+    (Wan's `norm2(x.float()).type_as(x)`, an FP32LayerNorm with affine): x as for
+    `plan_layer_norm_modulate_f32`, weight and bias [D] of bf16/fp16/fp32. Exact in
+    every tier. A plan, or why the call takes the reference."""
+    rows, why = _check_f32_rows(x)
+    if why:
+        return why
+    D = rows.D
+    grad = torch.is_grad_enabled()
+    for name, p in (("weight", weight), ("bias", bias)):
+        if not isinstance(p, torch.Tensor):
+            return f"{name} is not a tensor"
+        if p.dim() != 1 or p.shape[0] != D:
+            return f"{name} must be [D]"
+        if p.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            return f"unsupported {name} dtype {p.dtype}"
+        if p.get_device() != x.get_device():
+            return "operands on different devices"
+        if grad and p.requires_grad:
+            return "autograd needs the eager graph"
+        if p.dtype is torch.float32 and p.stride(0) == 1 and p.data_ptr() % 16:
+            return f"{name} is not 4-element aligned (aten takes RowwiseMomentsCUDAKernel)"
+    fma = layer_norm_affine_fma(x.get_device())
+    if fma is None:
+        return "aten's LayerNorm epilogue rounds in no form this kernel knows here (or not probed yet)"
+    key = (x.dtype, x.get_device(), f"weight {weight.dtype}", f"bias {bias.dtype}", "layer_norm_affine_f32",
+           f"D={D}", "welford", "fma" if fma else "no fma")
+    return LayerNormModulatePlan(x, weight, bias, rows, (0, 0, weight.stride(0)), (0, 0, bias.stride(0)), float(eps),
+                                 key, True, f32=True, mode=1, fma=fma)
+
+
+def layer_norm_f32(x, weight, bias, eps: float) -> torch.Tensor:
+    """`F.layer_norm(x.float(), (D,), weight.float(), bias.float(), eps).type_as(x)`, guarded but ungated."""
+    plan = plan_layer_norm_f32(x, weight, bias, eps)
+    if plan.__class__ is str:
+        return layer_norm_f32_reference(x, weight, bias, eps)
+    return launch_layer_norm_modulate(plan)
+
+
 # ---------------------------------------------------------------- reference
 
 
 def layer_norm_modulate_reference(x, scale, shift, eps: float) -> torch.Tensor:
     """The eager expression: `F.layer_norm` without affine, then `n * (1 + scale) + shift`."""
     return modulate_reference(F.layer_norm(x, (x.shape[-1],), eps=eps), scale, shift)
+
+
+def layer_norm_modulate_f32_reference(x, scale, shift, eps: float) -> torch.Tensor:
+    """Wan's eager expression: `(norm1(x.float()) * (1 + scale) + shift).type_as(x)` with
+    FP32LayerNorm (no affine) and fp32 parameters (Folded: `table + temb.float()`)."""
+    n = F.layer_norm(x.float(), (x.shape[-1],), None, None, eps)
+    return (n * (1 + value32(scale)) + value32(shift)).type_as(x)
+
+
+def layer_norm_f32_reference(x, weight, bias, eps: float) -> torch.Tensor:
+    """Wan's `norm2(x.float()).type_as(x)`: FP32LayerNorm's forward on an fp32 input
+    (`F.layer_norm(inputs.float(), shape, weight.float(), bias.float(), eps).to(fp32)`), then the cast."""
+    return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias.float(), eps).type_as(x)
 
 
 def _reference64(x, scale, shift, eps):
@@ -443,6 +664,67 @@ SPEC = OpSpec(
 )
 
 
+def _f32_reference64(x, scale, shift, eps):
+    return layer_norm64(x, eps) * (1 + value32(scale).double()) + value32(shift).double()
+
+
+def _f32_terms(x, scale, shift, eps):
+    return (layer_norm64(x, eps) * (1 + value32(scale).double())).abs().maximum(value32(shift).double().abs())
+
+
+def _f32_make_args(case: cases.Case) -> tuple:
+    gen = case.generator()
+    x = cases.activation(case, gen)
+    shift, scale = cases.param_f32(case, gen, 2)
+    return x, scale, shift, 1e-6
+
+
+F32_SPEC = OpSpec(
+    name="layer_norm_modulate_f32",
+    reference=layer_norm_modulate_f32_reference,
+    plan=plan_layer_norm_modulate_f32,
+    launch={"lossless": launch_layer_norm_modulate},
+    reference64=_f32_reference64,
+    terms=_f32_terms,
+    make_args=_f32_make_args,
+    layouts=cases.F32_PARAM_LAYOUTS,
+)
+
+
+def _affine_reference64(x, weight, bias, eps):
+    return layer_norm64(x, eps) * weight.double() + bias.double()
+
+
+def _affine_terms(x, weight, bias, eps):
+    return (layer_norm64(x, eps) * weight.double()).abs().maximum(bias.double().abs())
+
+
+AFFINE_LAYOUTS = ("fp32", "bf16")  # the weight and bias dtype (fp32: from_pretrained keeps norm2 in fp32)
+
+
+def _affine_make_args(case: cases.Case) -> tuple:
+    gen = case.generator()
+    x = cases.activation(case, gen)
+    if case.layout not in AFFINE_LAYOUTS:
+        raise ValueError(f"unknown layout {case.layout!r}; choose one of {', '.join(AFFINE_LAYOUTS)}")
+    dt = torch.float32 if case.layout == "fp32" else torch.bfloat16
+    weight = cases.draw((case.D,), dt, case.data, gen, case.device, 0.5) + 1
+    bias = cases.draw((case.D,), dt, case.data, gen, case.device, 0.5)
+    return x, weight, bias, 1e-6
+
+
+AFFINE_SPEC = OpSpec(
+    name="layer_norm_f32",
+    reference=layer_norm_f32_reference,
+    plan=plan_layer_norm_f32,
+    launch={"lossless": launch_layer_norm_modulate},
+    reference64=_affine_reference64,
+    terms=_affine_terms,
+    make_args=_affine_make_args,
+    layouts=AFFINE_LAYOUTS,
+)
+
+
 # ---------------------------------------------------------------- torch.library
 
 
@@ -451,3 +733,18 @@ def _layer_norm_modulate_op(x: torch.Tensor, scale: torch.Tensor, shift: torch.T
 
 
 layer_norm_modulate_op = register_op("layer_norm_modulate", _layer_norm_modulate_op, layer_norm_modulate_reference)
+
+
+def _layer_norm_modulate_f32_op(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> torch.Tensor:
+    return layer_norm_modulate_f32(x, scale, shift, eps)
+
+
+layer_norm_modulate_f32_op = register_op("layer_norm_modulate_f32", _layer_norm_modulate_f32_op,
+                                         layer_norm_modulate_f32_reference)
+
+
+def _layer_norm_f32_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    return layer_norm_f32(x, weight, bias, eps)
+
+
+layer_norm_f32_op = register_op("layer_norm_f32", _layer_norm_f32_op, layer_norm_f32_reference)

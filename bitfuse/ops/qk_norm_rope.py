@@ -44,6 +44,11 @@ ROPE (`rope_type=`), eager's fp32 products and sums, each rounded:
   (a*c - b*d, a*d + b*c), where nvcc may contract either product into an FMA;
   `complex_mul_form` probes the build once per device (inputs whose products
   round differently in each form) and the kernel follows it.
+- "wan" (Wan, x [B, S, H * Dh], cos/sin [B|1, S, 1, Dh] fp32, or float64):
+  `apply_rotary_emb` of WanAttnProcessor: pairs (x[2i], x[2i+1]) of each head
+  with c = cos[2i], s = sin[2i+1]: (a*c - b*s, a*s + b*c), products and sums
+  in the tables' dtype (x promoted), each rounded, written into x's dtype
+  (from float64: through fp32 or not as `f64_store_via_f32` probes).
 - None: the norms alone.
 Triton's unary minus is `0 - x` (loses eager's -0.0): negations are `x * -1.0`.
 Kernels launch with FMA contraction off; an FMA appears only where the
@@ -84,10 +89,10 @@ from .rotary import addcmul_fuses, rotary_reference
 from .spec import OpSpec
 
 NORMS = ("aten", "diffusers")
-ROPE_TYPES = ("interleaved", "split", "complex")
+ROPE_TYPES = ("interleaved", "split", "complex", "wan")
 MAX_SEGMENTS = 4  # (query, key) x two sources
 
-_ROPE_CODE = {None: 0, "interleaved": 1, "split": 2, "complex": 3}
+_ROPE_CODE = {None: 0, "interleaved": 1, "split": 2, "complex": 3, "wan": 4}
 
 # ---------------------------------------------------------------- kernel
 
@@ -267,7 +272,20 @@ def _segment_tile(
                 out = n
             else:
                 a, bb = tl.split(tl.reshape(n.to(tl.float32), [RU, HALF, 2]))
-                if ROPE == 1:  # a frequency per channel
+                if ROPE == 4:  # Wan: cos[2i], sin[2i + 1] of the head's channel, products and sums in the
+                    # frequencies' dtype (REAL_FMA 1: fp64), then to x's dtype (IMAG_FMA 1: through fp32)
+                    f_off = f_row[:, None] + ((cols % R) * f_sj)[None, :]
+                    ca, _unused = tl.split(tl.reshape(tl.load(c_ptr + f_off, mask=m, other=0.0), [RU, HALF, 2]))
+                    _unused, sb = tl.split(tl.reshape(tl.load(s_ptr + f_off, mask=m, other=0.0), [RU, HALF, 2]))
+                    if REAL_FMA == 1:
+                        a = a.to(tl.float64)
+                        bb = bb.to(tl.float64)
+                    oa, ob = _rotate(a, bb, ca, sb, ca, sb, 0, 0)
+                    o = tl.reshape(tl.join(oa, ob), [RU, CH])
+                    if IMAG_FMA == 1:
+                        o = o.to(tl.float32)
+                    out = o.to(dtype)
+                elif ROPE == 1:  # a frequency per channel
                     f_off = f_row[:, None] + (cols * f_sj)[None, :]
                     ca, cb = tl.split(tl.reshape(tl.load(c_ptr + f_off, mask=m, other=0.0), [RU, HALF, 2]))
                     sa, sb = tl.split(tl.reshape(tl.load(s_ptr + f_off, mask=m, other=0.0), [RU, HALF, 2]))
@@ -279,8 +297,9 @@ def _segment_tile(
                     sa = tl.load(s_ptr + f_off, mask=pm, other=0.0)
                     cb = ca
                     sb = sa
-                oa, ob = _rotate(a, bb, ca, sa, cb, sb, REAL_FMA, IMAG_FMA)
-                out = tl.reshape(tl.join(oa, ob), [RU, CH]).to(dtype)
+                if ROPE != 4:
+                    oa, ob = _rotate(a, bb, ca, sa, cb, sb, REAL_FMA, IMAG_FMA)
+                    out = tl.reshape(tl.join(oa, ob), [RU, CH]).to(dtype)
             tl.store(o_ptr + (o_row[:, None] + cols[None, :]), out, mask=m)
 
 
@@ -378,6 +397,34 @@ def complex_mul_form(device) -> tuple[int, int] | None:
     ok = real in forms and imag in forms and zero.item() == 0 and not torch.signbit(zero) and same_heads
     result = (forms[real], forms[imag]) if ok else None
     _COMPLEX_FORM[device] = result
+    return result
+
+
+_VIA_F32: dict = {}
+
+
+def f64_store_via_f32(device) -> bool | None:
+    """Whether eager's float64 -> bf16 copy on this device (a CUDA index, or -1 for the
+    CPU) rounds through fp32 (c10::BFloat16 converts from float: two roundings) rather
+    than once. Probed once per device with 1 + 2**-8 + 2**-30: through fp32 it is the
+    tie 1 + 2**-8, which rounds to even (1.0); rounded once it is above the tie (1 +
+    2**-7); fp16 likewise with 1 + 2**-11 + 2**-40. None where neither (or not now:
+    tracing, capture)."""
+    device = _device_index(device)
+    if device in _VIA_F32:
+        return _VIA_F32[device]
+    if not _probe_allowed(device):
+        return None
+    dev = "cpu" if device < 0 else f"cuda:{device}"
+    d = torch.tensor([1 + 2**-8 + 2**-30, 1 + 2**-11 + 2**-40], dtype=torch.float64, device=dev)
+    b, h = d[0:1].to(torch.bfloat16).item(), d[1:2].to(torch.float16).item()
+    if b == 1.0 and h == 1.0:
+        result = True
+    elif b == 1 + 2**-7 and h == 1 + 2**-10:
+        result = False
+    else:
+        result = None
+    _VIA_F32[device] = result
     return result
 
 
@@ -530,6 +577,11 @@ def plan_qk_norm_rope(queries, keys, weights, eps, freqs, rope_type, norm, tier:
         if fused is None:
             return "aten's addcmul rounding not probed yet on this device (capturing or compiling)"
         rope = 2, fs[0][0].shape[-1], 2 if fused else 0, 1 if fused else 0
+    elif rope_type == "wan":
+        via32 = f64_store_via_f32(x0.get_device()) if fs[0][0].dtype is torch.float64 else False
+        if via32 is None:
+            return "how eager rounds float64 to x's dtype is not known here (or not probed yet)"
+        rope = 4, fs[0][0].shape[-1], int(fs[0][0].dtype is torch.float64), int(via32)
     elif rope_type == "complex":
         form = complex_mul_form(x0.get_device())
         if form is None:
@@ -581,7 +633,10 @@ def _freq_pair(f, rope_type):
     if f.__class__ not in (tuple, list) or len(f) != 2 or not all(isinstance(t, torch.Tensor) for t in f):
         return "freqs is not a (cos, sin) pair"
     cos, sin = f
-    if cos.dtype is not torch.float32 or sin.dtype is not torch.float32:
+    if rope_type == "wan":
+        if cos.dtype not in (torch.float64, torch.float32) or sin.dtype is not cos.dtype:
+            return "Wan's cos/sin must be float64 (or float32), both of one dtype"
+    elif cos.dtype is not torch.float32 or sin.dtype is not torch.float32:
         return "cos/sin must be float32 (eager promotes x to their dtype)"
     if cos.shape != sin.shape:
         return "cos and sin shapes differ"
@@ -651,6 +706,13 @@ def _freq_strides(f, x, rope_type):
         if cos.dim() != 2 or cos.shape != (S, x.shape[-1]):  # FLUX: [S, D]
             return "cos/sin must be [S, D] for x [B, S, H, D]"
         return 0, 0, cos.stride(0), cos.stride(1), 0
+    if rope_type == "wan":  # x [B, S, H * Dh], cos/sin [B | 1, S, 1, Dh] (WanRotaryPosEmbed's output)
+        if x.dim() != 3 or cos.dim() != 4 or cos.shape[0] not in (1, B) or cos.shape[1] != S or cos.shape[2] != 1:
+            return "Wan RoPE takes x [B, S, C] and cos/sin [B or 1, S, 1, Dh]"
+        dh = cos.shape[3]
+        if dh % 2 or x.shape[-1] % dh:
+            return "Wan RoPE: the head width must be even and divide C"
+        return (cos.stride(0) if cos.shape[0] != 1 else 0), 0, cos.stride(1), cos.stride(3), dh
     if rope_type == "split":
         if x.dim() != 3 or cos.dim() != 4:
             return "split RoPE takes x [B, S, C] and cos/sin [B, H, S, r]"
@@ -687,7 +749,7 @@ def _geometry_of(xs, fs, rope_type, norm, has_weight, n):
         fst = (0, 0, 0, 0, 0) if f is None else _freq_strides(f, x, rope_type)
         if fst.__class__ is str:
             return fst
-        if rope_type == "split" and fst[4] != fs[0][0].shape[-1]:
+        if rope_type in ("split", "wan") and fst[4] != fs[0][0].shape[-1]:
             return "split RoPE: head sizes differ between queries and keys"
         out = i // n
         seg_ints.append((x.shape[1], x.stride(0), x.stride(1), x.stride(2) if G > 1 else 0, *fst[:4], lengths[out],
@@ -855,9 +917,27 @@ def rope_reference(x, freqs, rope_type):
         x_real, x_imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
         x_rotated = torch.stack([-x_imag, x_real], dim=-1).flatten(3)
         return (x.float() * cos + x_rotated.float() * sin).to(x.dtype)
+    if rope_type == "wan":
+        return wan_rope_reference(x, freqs)
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"unknown rope_type {rope_type!r}; choose one of {', '.join(ROPE_TYPES)}")
     return rotary_reference(x, tuple(freqs), rope_type)
+
+
+def wan_rope_reference(x, freqs):
+    """diffusers 0.42.1 `WanAttnProcessor`'s `apply_rotary_emb` on x [B, S, H * Dh] (the
+    processor's [B, S, H, Dh] view, flattened back), freqs (cos, sin) [B | 1, S, 1, Dh]:
+    products and sums in the frequencies' dtype (fp32 as WanRotaryPosEmbed builds them;
+    float64 accepted), written into x's dtype."""
+    freqs_cos, freqs_sin = freqs
+    hidden_states = x.unflatten(-1, (-1, freqs_cos.shape[-1]))
+    x1, x2 = hidden_states.unflatten(-1, (-1, 2)).unbind(-1)
+    cos = freqs_cos[..., 0::2]
+    sin = freqs_sin[..., 1::2]
+    out = torch.empty_like(hidden_states)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(hidden_states).flatten(-2)
 
 
 def qk_norm_rope_reference(queries, keys, weights, eps, freqs, rope_type, norm):
