@@ -53,6 +53,7 @@ _REGISTRY = {
     "QwenImageTransformer2DModel": "bitfuse.models.qwenimage",
     "FluxTransformer2DModel": "bitfuse.models.flux",
     "Flux2Transformer2DModel": "bitfuse.models.flux2",
+    "SanaTransformer2DModel": "bitfuse.models.sana",
     "ModelMixin": "bitfuse.models.adaln",  # any other diffusers model: its shared adaLN modules (last)
 }
 
