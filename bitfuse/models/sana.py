@@ -58,7 +58,7 @@ from diffusers.models.transformers.sana_transformer import (
 from .. import sites
 from . import _install
 
-__all__ = ["VERIFIED_SOURCES", "COPIES", "SOURCES", "accelerate", "stock_functions"]
+__all__ = ["COPIES", "SOURCES", "VERIFIED_SOURCES", "accelerate", "stock_functions"]
 
 # ---------------------------------------------------------------- what was verified
 

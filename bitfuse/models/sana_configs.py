@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["VARIANTS", "VAE_SCALE", "tiny_config", "full_config", "build_model", "image_tokens", "make_inputs"]
+__all__ = ["VAE_SCALE", "VARIANTS", "build_model", "full_config", "image_tokens", "make_inputs", "tiny_config"]
 
 VARIANTS = ("1.0", "1.5")
 
@@ -49,20 +49,20 @@ def tiny_config(variant: str = "1.0", **overrides) -> dict:
     """A random-init model small enough for CPU tests: 2 layers, 2 heads x 8 (inner 16),
     cross-attention 2 x 8, captions of 24 channels, 8 latent channels; mlp_ratio 2.5
     (the feed-forward's convolutions: 16 -> 80 -> 80 depthwise -> 40 -> 16 channels)."""
-    cfg = dict(
-        in_channels=8,
-        out_channels=8,
-        num_attention_heads=2,
-        attention_head_dim=8,
-        num_layers=2,
-        num_cross_attention_heads=2,
-        cross_attention_head_dim=8,
-        cross_attention_dim=16,
-        caption_channels=24,
-        mlp_ratio=2.5,
-        sample_size=8,
-        patch_size=1,
-    )
+    cfg = {
+        "in_channels": 8,
+        "out_channels": 8,
+        "num_attention_heads": 2,
+        "attention_head_dim": 8,
+        "num_layers": 2,
+        "num_cross_attention_heads": 2,
+        "cross_attention_head_dim": 8,
+        "cross_attention_dim": 16,
+        "caption_channels": 24,
+        "mlp_ratio": 2.5,
+        "sample_size": 8,
+        "patch_size": 1,
+    }
     cfg.update(_variant_flags(variant))
     cfg.update(overrides)
     return cfg
@@ -73,24 +73,24 @@ def full_config(layers: int = 20, variant: str = "1.0", **overrides) -> dict:
     20 heads x 112, captions 2304 (Gemma-2 2B), mlp_ratio 2.5, 32 latent channels, patch 1,
     no positional embedding at 1024 px), with `layers` transformer blocks (the released
     model has 20)."""
-    cfg = dict(
-        in_channels=32,
-        out_channels=32,
-        num_attention_heads=70,
-        attention_head_dim=32,
-        num_layers=layers,
-        num_cross_attention_heads=20,
-        cross_attention_head_dim=112,
-        cross_attention_dim=2240,
-        caption_channels=2304,
-        mlp_ratio=2.5,
-        attention_bias=False,
-        sample_size=32,
-        patch_size=1,
-        norm_elementwise_affine=False,
-        norm_eps=1e-6,
-        interpolation_scale=None,
-    )
+    cfg = {
+        "in_channels": 32,
+        "out_channels": 32,
+        "num_attention_heads": 70,
+        "attention_head_dim": 32,
+        "num_layers": layers,
+        "num_cross_attention_heads": 20,
+        "cross_attention_head_dim": 112,
+        "cross_attention_dim": 2240,
+        "caption_channels": 2304,
+        "mlp_ratio": 2.5,
+        "attention_bias": False,
+        "sample_size": 32,
+        "patch_size": 1,
+        "norm_elementwise_affine": False,
+        "norm_eps": 1e-6,
+        "interpolation_scale": None,
+    }
     cfg.update(_variant_flags(variant))
     cfg.update(overrides)
     return cfg
@@ -165,11 +165,11 @@ def make_inputs(
         timestep = float(torch.rand((), generator=gen)) * 900 + 50
     t = torch.full((batch,), float(timestep), device=device) * cfg.timestep_scale
 
-    return dict(
-        hidden_states=randn(batch, cfg.in_channels, h, w),
-        encoder_hidden_states=randn(batch, text_tokens, cfg.caption_channels),
-        encoder_attention_mask=mask,
-        timestep=t,
-        attention_kwargs=None,
-        return_dict=False,
-    )
+    return {
+        "hidden_states": randn(batch, cfg.in_channels, h, w),
+        "encoder_hidden_states": randn(batch, text_tokens, cfg.caption_channels),
+        "encoder_attention_mask": mask,
+        "timestep": t,
+        "attention_kwargs": None,
+        "return_dict": False,
+    }
