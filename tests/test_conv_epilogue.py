@@ -192,8 +192,8 @@ def test_backend_is_asked_of_aten():
 
 # ---------------------------------------------------------------- kernels, interpreted (fp32)
 
-SHAPES = [(1, 1, 1, 1), (2, 100, 3, 5), (3, 300, 4, 4), (2, 64, 1, 9), (1, 7, 13, 1), (2, 520, 2, 3)]
-CONFIGS = [None, (2, 32, 4), (4, 8, 2)]
+SHAPES = [(1, 1, 1, 1), (2, 100, 3, 5), (2, 64, 1, 9), (1, 7, 13, 1), (2, 300, 2, 3)]
+CONFIGS = [None, (2, 32, 4)]  # None: the default tiles; (2, 32, 4): masked tiles on both axes
 
 
 @interpreter
