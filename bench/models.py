@@ -13,7 +13,9 @@ pipeline passes. ltx2 / ltx2.3: diffusers' LTX2VideoTransformer3DModel at full w
 video + 126 audio + 256 text tokens (121 frames at 512 x 768), batch 2 as
 LTX2Pipeline runs CFG. flux, qwenimage: hooks for `bitfuse.models.flux_configs` /
 `qwenimage_configs` (FLUX.1-dev at 1024 x 1024: 4,096 image + 512 text tokens, 19
-double + 38 single blocks, B=1; Qwen-Image at 1328 x 1328, 60 layers, B=1).
+double + 38 single blocks, B=1; Qwen-Image at 1328 x 1328, 60 layers, B=1). sana:
+`sana_configs` (Sana 1.6B at 1024 x 1024: 1,024 image + 300 caption tokens, 20 layers,
+B=2 as SanaPipeline runs CFG; its configs name the blocks for regional compile).
 
 Method: every mode in one process, on one model, through `bitfuse.modes`.
 1. First calls, in the order eager, lossless, high, graphs, compile: the mode is
@@ -174,6 +176,8 @@ PRESETS = {
                _hook_build, functools.partial(_hook_workloads, pixels=1024), 1),
         Preset("qwenimage", "bitfuse.models.qwenimage_configs", "Qwen-Image at 1328 x 1328, 60 layers",
                _hook_build, functools.partial(_hook_workloads, pixels=1328), 1),
+        Preset("sana", "bitfuse.models.sana_configs", "Sana 1.6B at 1024 x 1024 (1,024 tokens, 300 caption tokens), "
+               "20 layers, B=2 (CFG)", _hook_build, functools.partial(_hook_workloads, pixels=1024), 2),
     )
 }
 
