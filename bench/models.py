@@ -16,7 +16,9 @@ LTX2Pipeline runs CFG. flux, qwenimage: hooks for `bitfuse.models.flux_configs` 
 double + 38 single blocks, B=1; Qwen-Image at 1328 x 1328, 60 layers, B=1). wan,
 wan2.2-5b: `wan_configs` (Wan 2.1 14B at 832 x 480 x 81: 32,760 tokens, 40 layers;
 Wan 2.2 TI2V 5B at 1280 x 704 x 121: 27,280 tokens, per-token timestep, 30 layers;
-B=1, text 512 tokens).
+B=1, text 512 tokens). sana:
+`sana_configs` (Sana 1.6B at 1024 x 1024: 1,024 image + 300 caption tokens, 20 layers,
+B=2 as SanaPipeline runs CFG; its configs name the blocks for regional compile).
 
 Method: every mode in one process, on one model, through `bitfuse.modes`.
 1. First calls, in the order eager, lossless, high, graphs, compile: the mode is
@@ -206,6 +208,8 @@ PRESETS = {
         Preset("wan2.2-5b", "bitfuse.models.wan_configs",
                "Wan 2.2 TI2V 5B at 1280 x 704, 121 frames (27,280 tokens), per-token timestep",
                functools.partial(_wan_build, variant="2.2-5b"), functools.partial(_wan_workloads, variant="2.2-5b"), 1),
+        Preset("sana", "bitfuse.models.sana_configs", "Sana 1.6B at 1024 x 1024 (1,024 tokens, 300 caption tokens), "
+               "20 layers, B=2 (CFG)", _hook_build, functools.partial(_hook_workloads, pixels=1024), 2),
     )
 }
 

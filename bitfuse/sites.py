@@ -31,6 +31,7 @@ import torch
 
 from . import policy
 from .ops import (
+    conv_epilogue,
     gated_residual,
     layer_norm_modulate,
     modulate,
@@ -50,6 +51,8 @@ _LAYER_NORM_F32 = layer_norm_modulate.AFFINE_SPEC
 _GATED_RESIDUAL_F32 = gated_residual.F32_SPEC
 _ROTARY = rotary.SPECS
 _QK_NORM_ROPE = qk_norm_rope.SPEC
+_CONV_BIAS_SILU = conv_epilogue.SPECS["conv_bias_silu"]
+_CONV_BIAS_GLU = conv_epilogue.SPECS["conv_bias_glu"]
 
 # ---------------------------------------------------------------- marking and mounting
 
@@ -502,6 +505,59 @@ def rms_norm_site(norm, x):
     return policy.gated(_RMS_NORM, "lossless", plan, (x, norm.eps, kind))
 
 
+# ---------------------------------------------------------------- convolution epilogues
+
+
+def _conv_args(conv, act, x):
+    """(x, weight, bias, stride, padding, dilation, groups) when calling `conv` then `act`
+    is `F.conv2d(x, ...)` then `F.silu`: `conv` an `nn.Conv2d` (the class itself) with
+    zero padding given as numbers, `act` an `nn.SiLU`, neither with hooks nor an
+    instance forward; else None (the modules are called as they are)."""
+    if type(conv) is not torch.nn.Conv2d or type(act) is not torch.nn.SiLU:
+        return None
+    if not (_plain_module(conv) and _plain_module(act)) or conv.padding_mode != "zeros":
+        return None
+    if isinstance(conv.padding, str):
+        return None
+    return (x, conv.weight, conv.bias, tuple(conv.stride), tuple(conv.padding), tuple(conv.dilation), conv.groups)
+
+
+def conv_bias_silu_site(conv, act, x):
+    """`act(conv(x))` for an `nn.Conv2d` `conv` and an `nn.SiLU` `act` (Sana's
+    GLUMBConv: `conv_inverted`, then its nonlinearity), bit-exact in every tier: where
+    eager's convolution adds its bias as a separate op (cuDNN), the convolution without
+    it, then bias + SiLU in one kernel (`ops.conv_epilogue`), verified here at first
+    sight against the stock expression. x: [B, C_in, H, W] (Sana: a channels-last
+    view). Returns what `act(conv(x))` returns."""
+    if _plain():
+        return act(conv(x))
+    args = _conv_args(conv, act, x)
+    if args is None:
+        return act(conv(x))
+    plan = conv_epilogue.plan_conv_bias_silu(*args)
+    if plan.__class__ is str:
+        return act(conv(x))
+    return policy.gated(_CONV_BIAS_SILU, "lossless", plan, args)
+
+
+def conv_bias_glu_site(conv, act, x):
+    """`hidden * act(gate)` for `hidden, gate = torch.chunk(conv(x), 2, dim=1)`, an
+    `nn.Conv2d` `conv` and an `nn.SiLU` `act` (Sana's GLUMBConv: `conv_depth`, the
+    chunk, the gated nonlinearity), bit-exact in every tier: eager's convolution
+    (without its bias where eager adds it separately), then bias, SiLU of the gate half
+    and the product in one kernel, verified here at first sight against the stock
+    expression. x: [B, C_in, H, W]; conv's output channels even. Returns
+    [B, C_out / 2, H_out, W_out]."""
+    if not _plain():
+        args = _conv_args(conv, act, x)
+        if args is not None:
+            plan = conv_epilogue.plan_conv_bias_glu(*args)
+            if plan.__class__ is not str:
+                return policy.gated(_CONV_BIAS_GLU, "lossless", plan, args)
+    hidden, gate = torch.chunk(conv(x), 2, dim=1)
+    return hidden * act(gate)
+
+
 __all__ = [
     "Folded",
     "Site",
@@ -525,4 +581,6 @@ __all__ = [
     "joint_qk_norm_rope_site",
     "qk_norm_kind",
     "norm_kind",
+    "conv_bias_silu_site",
+    "conv_bias_glu_site",
 ]

@@ -55,6 +55,7 @@ _REGISTRY = {
     "FluxTransformer2DModel": "bitfuse.models.flux",
     "Flux2Transformer2DModel": "bitfuse.models.flux2",
     "WanTransformer3DModel": "bitfuse.models.wan",
+    "SanaTransformer2DModel": "bitfuse.models.sana",
     "ModelMixin": "bitfuse.models.adaln",  # any other diffusers model: its shared adaLN modules (last)
 }
 

@@ -10,6 +10,7 @@ the benchmarks, the fuzz run and the tests iterate over it.
 """
 
 from . import (
+    conv_epilogue,
     gated_residual,
     layer_norm_modulate,
     modulate,
@@ -32,8 +33,9 @@ SPECS: dict[str, OpSpec] = {
         layer_norm_modulate.AFFINE_SPEC,
         *rotary.SPECS.values(),
         qk_norm_rope.SPEC,
+        *conv_epilogue.SPECS.values(),
     )
 }
 
 __all__ = ["SPECS", "TIERS", "OpSpec", "modulate", "gated_residual", "rms_norm_modulate", "layer_norm_modulate",
-           "rotary", "qk_norm_rope"]
+           "rotary", "qk_norm_rope", "conv_epilogue"]

@@ -1,0 +1,213 @@
+"""Sana (diffusers `SanaTransformer2DModel`): adaLN sites and the GLUMBConv epilogues routed through bitfuse.
+
+diffusers computes Sana's adaLN in `SanaTransformerBlock.forward` (adaLN-single: one
+timestep embedding [B, 6D] for all blocks, added to each block's `scale_shift_table`)
+and in the head `SanaModulatedNorm.forward`; the feed-forward is `GLUMBConv`
+(1x1 convolution, SiLU, 3x3 depthwise convolution, gated SiLU, 1x1 convolution). This
+module carries faithful copies of the three forwards, line for line from diffusers
+0.42.1, each replaced line kept above its replacement as a `# diffusers:` comment
+(tests/test_copies.py checks the copies):
+
+    norm1(x) * (1 + scale_msa) + shift_msa        -> sites.layer_norm_modulate_site(block, norm1, x, ...)
+    norm2(x) * (1 + scale_mlp) + shift_mlp        -> sites.layer_norm_modulate_site(block, norm2, x, ...)
+    x + gate_msa * attn_output                    -> sites.gated_residual_site(x, attn_output, gate_msa)
+    x + gate_mlp * ff_output                      -> sites.gated_residual_site(x, ff_output, gate_mlp)
+                                                     (products commute bitwise)
+    norm_out: norm(x) * (1 + scale) + shift       -> sites.layer_norm_modulate_site(norm_out, norm, x, ...)
+    GLUMBConv: nonlinearity(conv_inverted(x))     -> sites.conv_bias_silu_site(conv_inverted, nonlinearity, x)
+               conv_depth, chunk(2), h * silu(g)  -> sites.conv_bias_glu_site(conv_depth, nonlinearity, x)
+
+The norms are `nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)` (norm2 takes the
+config's `norm_elementwise_affine`, False in every released Sana), each output
+modulated once, so each norm and its modulation fuse into one site. The block's
+`.to(hidden_states.dtype)` after the first modulation stays as diffusers wrote it (a
+no-op when the parameters share x's dtype; with other dtypes the sites run eager's
+promotion and the cast follows).
+
+The parameters: `scale_shift_table[None] + timestep.reshape(B, 6, D)` is materialised
+as diffusers does ([B, 6, D], a few kilobytes) and `chunk(6, dim=1)` gives [B, 1, D]
+views, samples 6D apart, read in place by the kernels; the head's likewise ([B, 2, D]).
+
+The feed-forward's activations are the modulated tokens [B, H*W, D] viewed as NCHW
+(`unflatten(1, (H, W)).permute(0, 3, 1, 2)`, no copy): a channels-last layout that
+every convolution of GLUMBConv keeps, and that the epilogue kernels keep too (their
+outputs take eager's strides), so `ff_output.flatten(2, 3).permute(0, 2, 1)` is again a
+[B, H*W, D] view and the patch-token layout is materialised once, as in eager. cuDNN
+runs every convolution (channels-last input), and eager adds both biases as separate
+ops after it; the sites run the convolutions without their bias and the bias add, the
+SiLU (and the gate's product) in one kernel each (`ops.conv_epilogue`, where the
+backend question is written up), every choice verified at first sight against the
+stock expression.
+
+Attention (linear self-attention, cross-attention, SANA 1.5's query/key RMSNorm) and
+everything else run as diffusers runs them.
+
+The copies are valid only for the diffusers source they were taken from:
+`accelerate` checks the diffusers version (0.42.x) and the sha256 of every copied
+function (`SOURCES`), and refuses otherwise unless `force=True`.
+"""
+
+import torch
+from diffusers.models.transformers.sana_transformer import (
+    GLUMBConv,
+    SanaModulatedNorm,
+    SanaTransformer2DModel,
+    SanaTransformerBlock,
+)
+
+from .. import sites
+from . import _install
+
+__all__ = ["COPIES", "SOURCES", "VERIFIED_SOURCES", "accelerate", "stock_functions"]
+
+# ---------------------------------------------------------------- what was verified
+
+#: sha256 of `inspect.getsource` of each diffusers function copied here, as shipped in 0.42.1
+VERIFIED_SOURCES = {
+    "SanaTransformerBlock.forward": "9a3e8db8963efea2640f6c87b42e718021238fb37c0eb128c3198fca2c150923",
+    "GLUMBConv.forward": "841b583fd67676d3c6b992c4402a0a7d4c0e4245e4ae4d1766f0d029c2ef65aa",
+    "SanaModulatedNorm.forward": "94f79629b4f9f9f33c9dd24ff2758a3ba2300668880b0a109f79f48c6aae7c80",
+}
+
+
+def stock_functions() -> dict:
+    """The installed diffusers function behind each name of VERIFIED_SOURCES."""
+    return {
+        "SanaTransformerBlock.forward": SanaTransformerBlock.forward,
+        "GLUMBConv.forward": GLUMBConv.forward,
+        "SanaModulatedNorm.forward": SanaModulatedNorm.forward,
+    }
+
+
+# ---------------------------------------------------------------- the copies
+
+
+def _block_forward(
+    self,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    encoder_hidden_states: torch.Tensor | None = None,
+    encoder_attention_mask: torch.Tensor | None = None,
+    timestep: torch.LongTensor | None = None,
+    height: int = None,
+    width: int = None,
+) -> torch.Tensor:
+    """diffusers 0.42.1 `SanaTransformerBlock.forward`, adaLN sites routed through bitfuse."""
+    batch_size = hidden_states.shape[0]
+
+    # 1. Modulation
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
+        self.scale_shift_table[None] + timestep.reshape(batch_size, 6, -1)
+    ).chunk(6, dim=1)
+
+    # 2. Self Attention
+    # diffusers: norm_hidden_states = self.norm1(hidden_states)
+    # diffusers: norm_hidden_states = norm_hidden_states * (1 + scale_msa) + shift_msa
+    norm_hidden_states = sites.layer_norm_modulate_site(self, self.norm1, hidden_states, scale_msa, shift_msa)
+    norm_hidden_states = norm_hidden_states.to(hidden_states.dtype)
+
+    attn_output = self.attn1(norm_hidden_states)
+    # diffusers: hidden_states = hidden_states + gate_msa * attn_output
+    hidden_states = sites.gated_residual_site(hidden_states, attn_output, gate_msa)
+
+    # 3. Cross Attention
+    if self.attn2 is not None:
+        attn_output = self.attn2(
+            hidden_states,
+            encoder_hidden_states=encoder_hidden_states,
+            attention_mask=encoder_attention_mask,
+        )
+        hidden_states = attn_output + hidden_states
+
+    # 4. Feed-forward
+    # diffusers: norm_hidden_states = self.norm2(hidden_states)
+    # diffusers: norm_hidden_states = norm_hidden_states * (1 + scale_mlp) + shift_mlp
+    norm_hidden_states = sites.layer_norm_modulate_site(self, self.norm2, hidden_states, scale_mlp, shift_mlp)
+
+    norm_hidden_states = norm_hidden_states.unflatten(1, (height, width)).permute(0, 3, 1, 2)
+    ff_output = self.ff(norm_hidden_states)
+    ff_output = ff_output.flatten(2, 3).permute(0, 2, 1)
+    # diffusers: hidden_states = hidden_states + gate_mlp * ff_output
+    hidden_states = sites.gated_residual_site(hidden_states, ff_output, gate_mlp)
+
+    return hidden_states
+
+
+def _glumbconv_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """diffusers 0.42.1 `GLUMBConv.forward`, the two convolution epilogues through bitfuse."""
+    if self.residual_connection:
+        residual = hidden_states
+
+    # diffusers: hidden_states = self.conv_inverted(hidden_states)
+    # diffusers: hidden_states = self.nonlinearity(hidden_states)
+    hidden_states = sites.conv_bias_silu_site(self.conv_inverted, self.nonlinearity, hidden_states)
+
+    # diffusers: hidden_states = self.conv_depth(hidden_states)
+    # diffusers: hidden_states, gate = torch.chunk(hidden_states, 2, dim=1)
+    # diffusers: hidden_states = hidden_states * self.nonlinearity(gate)
+    hidden_states = sites.conv_bias_glu_site(self.conv_depth, self.nonlinearity, hidden_states)
+
+    hidden_states = self.conv_point(hidden_states)
+
+    if self.norm_type == "rms_norm":
+        # move channel to the last dimension so we apply RMSnorm across channel dimension
+        hidden_states = self.norm(hidden_states.movedim(1, -1)).movedim(-1, 1)
+
+    if self.residual_connection:
+        hidden_states = hidden_states + residual
+
+    return hidden_states
+
+
+def _modulated_norm_forward(
+    self, hidden_states: torch.Tensor, temb: torch.Tensor, scale_shift_table: torch.Tensor
+) -> torch.Tensor:
+    """diffusers 0.42.1 `SanaModulatedNorm.forward`, the norm and its modulation through bitfuse."""
+    # diffusers: hidden_states = self.norm(hidden_states)
+    # bitfuse: the norm moves into the site below (a pure function of hidden_states: the same bits)
+    shift, scale = (scale_shift_table[None] + temb[:, None].to(scale_shift_table.device)).chunk(2, dim=1)
+    # diffusers: hidden_states = hidden_states * (1 + scale) + shift
+    hidden_states = sites.layer_norm_modulate_site(self, self.norm, hidden_states, scale, shift)
+    return hidden_states
+
+
+#: stock class -> our copy of its forward
+FORWARDS = {
+    SanaTransformerBlock: _block_forward,
+    GLUMBConv: _glumbconv_forward,
+    SanaModulatedNorm: _modulated_norm_forward,
+}
+
+#: our line-for-line copies, by the stock name they copy (tests/test_copies.py diffs them)
+COPIES = {f"{cls.__name__}.forward": fn for cls, fn in FORWARDS.items()}
+
+SOURCES = _install.CopiedSources(
+    "Sana", release="0.42", copied_from="0.42.1", sha256=VERIFIED_SOURCES, stock=stock_functions,
+    copies=lambda: COPIES,
+)
+
+
+# ---------------------------------------------------------------- accelerate
+
+
+def _sites(model) -> list:
+    blocks = [(f"transformer_blocks.{i}", b, (b.norm1, b.norm2)) for i, b in enumerate(model.transformer_blocks)]
+    return blocks + [("norm_out", model.norm_out, (model.norm_out.norm,))]
+
+
+def accelerate(model, *, quality: str = "lossless", force: bool = False) -> _install.Handle:
+    """Install bitfuse's faithful forwards on `model` (a `SanaTransformer2DModel`): its
+    blocks, their GLUMBConv feed-forwards and its `norm_out`; mark the blocks and the
+    head as sites and mount `quality` (all or nothing; the convolution epilogues are
+    exact in every tier). Returns the handle; called again with the same quality, the
+    existing one. See `_install.accelerate` for the errors."""
+    return _install.accelerate(
+        model,
+        _install.Handle,
+        quality=quality,
+        force=force,
+        sources=SOURCES,
+        model_class=SanaTransformer2DModel,
+        forwards=FORWARDS,
+        sites=_sites,
+    )

@@ -1,0 +1,583 @@
+"""Convolution epilogues: what eager computes after a cuDNN convolution, fused.
+
+Sana's GLUMBConv (diffusers `sana_transformer.py`) runs, on channels-last
+activations [B, C, H, W]:
+
+    y = conv_inverted(x)            1x1 convolution with bias
+    y = silu(y)
+    y = conv_depth(y)               3x3 depthwise convolution with bias
+    h, g = y.chunk(2, dim=1)
+    y = h * silu(g)
+
+Four ops, two levels:
+
+    bias_silu(y, bias)       silu(y + bias)               y: a convolution's output without its bias
+    bias_glu(y, bias)        h * silu(g), h, g = (y + bias).chunk(2, dim=1)  (bias may be None)
+    conv_bias_silu(x, w, b, stride, padding, dilation, groups)
+                             silu(conv2d(x, w, b, ...))   the site-level op: eager's conv and SiLU
+    conv_bias_glu(x, w, b, stride, padding, dilation, groups)
+                             h * silu(g), h, g = conv2d(x, w, b, ...).chunk(2, dim=1)
+
+The epilogues are the kernels (benchmarked alone); the conv-level ops are what the
+sites gate at first sight: their fast path runs the convolution as eager runs it
+(cuDNN), without the bias when eager adds the bias as a separate op, then the
+epilogue kernel; their reference is the stock expression, convolution with bias
+included, so a wrong assumption about where eager adds the bias is a mismatch
+(a fallback to eager), never a wrong result.
+
+WHERE EAGER ADDS A CONVOLUTION'S BIAS. `F.conv2d` -> `at::convolution` ->
+`at::_convolution` (aten/src/ATen/native/Convolution.cpp) picks a backend with
+`select_conv_backend` and, for `ConvBackend::Cudnn`, runs
+
+    output = at::cudnn_convolution(input.contiguous(backend_memory_format), weight, padding,
+                                   stride, dilation, groups, benchmark, deterministic, allow_tf32);
+    if (bias.defined()) { output.add_(reshape_bias(input.dim(), bias)); }
+
+(cuDNN convolutions take no bias: ConvShared.cpp, "NOTE [ Convolution design ]").
+Read in the 2.x sources (the stored copies of Convolution.cpp of the 2.x line all
+have this branch; torch 2.11's own file could not be fetched here), so with the
+Cudnn backend `conv2d(x, w, b)` is bit for bit `conv2d(x, w, None).add_(b)`: the
+same cuDNN call, then one eager add (fp32 opmath, one rounding), which the
+epilogue reproduces before its SiLU. The other CUDA backends add the bias inside
+their kernel: `_conv_depthwise2d` (CudaDepthwise2d, aten's native depthwise
+kernel) starts its accumulator at the bias, `slow_conv2d` adds it inside too.
+Which backend eager takes depends on dtype, memory format and shape: a bf16
+depthwise convolution takes cuDNN when `cudnn_conv_suggest_memory_format` says
+channels-last (input or weight channels-last: "always use cudnn_depthwise for
+channels_last format"), and `_conv_depthwise2d` when contiguous (cuDNN's
+contiguous depthwise path is fp16-only, behind a workload heuristic). So the
+planner does not guess: it asks aten, `torch._C._select_conv_backend` (the
+function `_convolution` dispatches with), for this call's backend, once per
+geometry, and splits the bias only for `SPLIT_BACKENDS`. Elsewhere the GLU
+epilogue still fuses the chunk, SiLU and product after eager's own convolution
+with its bias (nothing of the convolution changes); a SiLU alone after such a
+convolution is left to eager (nothing to fuse). In Sana every convolution input
+is a channels-last view (the FF permutes [B, H*W, C] tokens to NCHW without
+copying), so both convolutions take cuDNN and both biases are split.
+
+EAGER'S SILU (aten/src/ATen/native/cuda/ActivationSiluKernel.cu):
+`x_acc / (opmath_t(1) + exp(-x_acc))` in fp32, built without fast math: `expf`
+(libdevice's `__nv_expf`, about 2 ULP) and IEEE division (`div.rn.f32`). Triton's
+`tl.exp` is `ex2.approx` of `x * log2(e)` and its fp32 `/` is `div.full.f32`
+(approximate), either of which changes bits; the kernel calls libdevice's `exp`
+and divides with an inline `div.rn.f32` (round to nearest, no flush to zero, as
+nvcc emits it). Triton links libdevice with flush-to-zero on; that changes
+`__nv_expf` only where its argument or result is subnormal, i.e. |x| below
+2**-126 (exp(-x) is 1.0 either way) or x above 87 (exp(-x) < 2**-125, and
+1 + exp(-x) rounds to 1.0 either way), so the SiLU keeps eager's bits. Rounding
+to the storage dtype: after the bias add (eager's add_), after the SiLU (eager's
+silu), after the product (eager's mul); FMA contraction off.
+
+Shapes: y [B, C, H, W] (bias_glu: 2C channels, output C), any strides where H and
+W merge (h stride = W x w stride: contiguous, channels-last and their channel
+slices); bias [C] (bias_glu: [2C]); one dtype (bf16, fp16, fp32). Output: a new
+tensor with the strides eager's result has (computed once per geometry on the
+meta device, so the next convolution sees the memory format it sees in eager),
+or written into `out` (any strides) if given. The kernels are exact in every tier.
+
+Under Triton's interpreter (CPU tests) the SiLU is numpy's float32
+`x / (1 + exp(-x))`: the indexing is checked there, the bits on the GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from . import cases
+from ._launch import (
+    HAS_TRITON,
+    INTERPRET,
+    FastLaunch,
+    GeometryCache,
+    Recipe,
+    cdiv,
+    jit,
+    needs_int64,
+    next_pow2,
+    register_op,
+    tl,
+)
+from ._params import common_device_dtype
+from .spec import OpSpec
+
+try:  # libdevice's exp (CUDA's expf): triton.language.extra.cuda.libdevice in Triton 3.x
+    from triton.language.extra.cuda import libdevice
+except ImportError:  # pragma: no cover - another Triton layout
+    try:
+        from triton.language.extra import libdevice
+    except ImportError:
+        libdevice = None
+
+#: aten backends (`torch._C._ConvBackend` names) whose `_convolution` branch adds the
+#: bias as a separate `output.add_(bias)` after the convolution
+SPLIT_BACKENDS = frozenset({"Cudnn"})
+
+LAYOUTS = ("channels-last", "contiguous")
+
+# ---------------------------------------------------------------- kernel
+
+
+@jit
+def _silu(x, INTERP: tl.constexpr):
+    """aten's silu in fp32: x / (1 + expf(-x)), IEEE division."""
+    if INTERP:
+        return x / (1.0 + tl.exp(-x))
+    else:
+        e = libdevice.exp(-x)
+        return tl.inline_asm_elementwise("div.rn.f32 $0, $1, $2;", "=r,r,r", [x, 1.0 + e], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
+
+@jit
+def _epilogue_kernel(
+    y_ptr, bias_ptr, out_ptr,
+    P, C,
+    y_sb, y_sc, y_sp,
+    o_sb, o_sc, o_sp,
+    b_s, gate_y, gate_b,
+    HAS_BIAS: tl.constexpr,
+    GLU: tl.constexpr,
+    CL: tl.constexpr,  # channels are y's contiguous axis: tiles [pixels, channels]; else [channels, pixels]
+    EVEN: tl.constexpr,
+    INT64: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    NFB: tl.constexpr,  # blocks along the tile's fast (contiguous) axis
+    INTERP: tl.constexpr,
+):
+    b = tl.program_id(2)
+    pid = tl.program_id(0)
+    slow = pid // NFB
+    fast = pid - slow * NFB
+    if CL:
+        p = slow * BLOCK_P + tl.arange(0, BLOCK_P)
+        c = fast * BLOCK_C + tl.arange(0, BLOCK_C)
+    else:
+        c = slow * BLOCK_C + tl.arange(0, BLOCK_C)
+        p = fast * BLOCK_P + tl.arange(0, BLOCK_P)
+    if INT64:
+        b = b.to(tl.int64)
+        p = p.to(tl.int64)
+        c = c.to(tl.int64)
+    if CL:
+        y_off = b * y_sb + (p * y_sp)[:, None] + (c * y_sc)[None, :]
+        o_off = b * o_sb + (p * o_sp)[:, None] + (c * o_sc)[None, :]
+        b_off = (c * b_s)[None, :]
+        c_ok = (c < C)[None, :]
+        mask = (p < P)[:, None] & c_ok
+    else:
+        y_off = b * y_sb + (c * y_sc)[:, None] + (p * y_sp)[None, :]
+        o_off = b * o_sb + (c * o_sc)[:, None] + (p * o_sp)[None, :]
+        b_off = (c * b_s)[:, None]
+        c_ok = (c < C)[:, None]
+        mask = c_ok & (p < P)[None, :]
+    if EVEN:  # P % BLOCK_P == 0 and C % BLOCK_C == 0: no masks
+        c_ok = None
+        mask = None
+
+    dtype = out_ptr.dtype.element_ty
+    h = tl.load(y_ptr + y_off, mask=mask).to(tl.float32)
+    if HAS_BIAS:
+        bh = tl.load(bias_ptr + b_off, mask=c_ok, eviction_policy="evict_last").to(tl.float32)
+        h = (h + bh).to(dtype).to(tl.float32)  # eager: output.add_(bias)
+    if GLU:
+        g = tl.load(y_ptr + (y_off + gate_y), mask=mask).to(tl.float32)
+        if HAS_BIAS:
+            bg = tl.load(bias_ptr + (b_off + gate_b), mask=c_ok, eviction_policy="evict_last").to(tl.float32)
+            g = (g + bg).to(dtype).to(tl.float32)  # eager: output.add_(bias) (the gate half)
+        s = _silu(g, INTERP).to(dtype).to(tl.float32)  # eager: silu(gate)
+        out = h * s  # eager: hidden * silu(gate)
+    else:
+        out = _silu(h, INTERP)  # eager: silu(output)
+    tl.store(out_ptr + o_off, out.to(dtype), mask=mask)
+
+
+_launch = FastLaunch(_epilogue_kernel, ("HAS_BIAS", "GLU", "CL", "EVEN", "INT64", "BLOCK_P", "BLOCK_C", "NFB",
+                                        "INTERP"))
+
+
+# ---------------------------------------------------------------- geometry
+
+
+def _pixel_stride(shape, stride) -> int | None:
+    """The stride of the merged H x W axis of a 4-D tensor, or None when H and W do
+    not merge (an h step is not W w steps)."""
+    H, W = shape[2], shape[3]
+    if W == 1:
+        return stride[2]
+    if H == 1 or stride[2] == W * stride[3]:
+        return stride[3]
+    return None
+
+
+def launch_shape(P: int, C: int, cl: bool, elem_bytes: int) -> tuple[int, int, int]:
+    """(BLOCK_P, BLOCK_C, num_warps): tiles of about 4096 elements, the contiguous axis
+    (channels for channels-last, pixels otherwise) in blocks of up to 256 channels /
+    1024 pixels, 16-byte vectors."""
+    if cl:
+        block_c = min(256, next_pow2(C))
+        block_p = max(1, min(4096 // block_c, next_pow2(P)))
+    else:
+        block_p = min(1024, next_pow2(P))
+        block_c = max(1, min(4096 // block_p, next_pow2(C)))
+    elems = block_p * block_c
+    return block_p, block_c, max(1, min(8, elems * elem_bytes // 1024))
+
+
+def _out_strides(y_shape, y_stride, dtype, has_bias: bool, glu: bool):
+    """The strides of eager's result for a y of this geometry (aten's TensorIterator
+    layout rules, run on the meta device)."""
+    y = torch.empty_strided(y_shape, y_stride, dtype=dtype, device="meta")
+    b = torch.empty(y_shape[1], dtype=dtype, device="meta") if has_bias else None
+    ref = bias_glu_reference(y, b) if glu else bias_silu_reference(y, b)
+    return tuple(ref.shape), ref.stride()
+
+
+_strides_cache = GeometryCache()
+_recipes = GeometryCache()
+
+
+def _recipe(y, bias, out, glu: bool, config=None):
+    """The launch for y -> out (a Recipe), or why the kernel can't take this layout."""
+    key = (y.shape, y.stride(), out.stride(), y.dtype, y.get_device(), None if bias is None else bias.stride(), glu,
+           config)
+    return _recipes.get(key, _make_recipe, y, bias, out, glu, config)
+
+
+def _make_recipe(y, bias, out, glu, config):
+    B, Ct = y.shape[0], y.shape[1]
+    C = Ct // 2 if glu else Ct
+    P = y.shape[2] * y.shape[3]
+    ysp, osp = _pixel_stride(y.shape, y.stride()), _pixel_stride(out.shape, out.stride())
+    if ysp is None or osp is None:
+        return "H and W do not merge into one axis"
+    ysb, ysc = y.stride(0), y.stride(1)
+    osb, osc = out.stride(0), out.stride(1)
+    cl = not (ysp == 1 and P > 1)  # any strides work; this picks the tile's contiguous axis
+    bs = 0 if bias is None else bias.stride(0)
+    wide = needs_int64((B, ysb), (Ct, ysc), (P, ysp), (B, osb), (C, osc), (P, osp), (Ct, bs))
+    block_p, block_c, num_warps = config or launch_shape(P, C, cl, y.element_size())
+    nfb = cdiv(C, block_c) if cl else cdiv(P, block_p)
+    nsb = cdiv(P, block_p) if cl else cdiv(C, block_c)
+    even = P % block_p == 0 and C % block_c == 0
+    return Recipe(
+        (nsb * nfb, 1, B),
+        (P, C, ysb, ysc, ysp, osb, osc, osp, bs, C * ysc, C * bs),
+        (bias is not None, glu, cl, even, wide, block_p, block_c, nfb, INTERPRET),
+        num_warps,
+    )
+
+
+def _epilogue(y, bias, glu: bool, out=None, config=None):
+    """The fused epilogue of y (a convolution's output) into `out` (default: eager's
+    layout), or eager's own ops where the kernel can't take the layout."""
+    if out is None:
+        key = (y.shape, y.stride(), y.dtype, bias is None, glu)
+        shape, stride = _strides_cache.get(key, _out_strides, y.shape, y.stride(), y.dtype, bias is not None, glu)
+        out = torch.empty_strided(shape, stride, dtype=y.dtype, device=y.device)
+    recipe = _recipe(y, bias, out, glu, config)
+    if recipe.__class__ is str:  # eager's ops (the same bits; no kernel for this layout)
+        out.copy_(bias_glu_reference(y, bias) if glu else bias_silu_reference(y, bias))
+        return out
+    _launch.launch(recipe, (y, y if bias is None else bias, out))
+    return out
+
+
+# ---------------------------------------------------------------- the epilogue ops
+
+
+class EpiloguePlan:
+    """A call of bias_silu / bias_glu that passed the guard."""
+
+    __slots__ = ("bias", "glu", "key", "y")
+
+    def __init__(self, y, bias, glu, key):
+        self.y, self.bias, self.glu, self.key = y, bias, glu, key
+
+
+def _layout_name(t: torch.Tensor) -> str:
+    if t.stride(1) == 1 and t.shape[1] > 1:
+        return "channels-last"
+    return "contiguous" if t.is_contiguous() else "strided"
+
+
+def _plan_epilogue(y, bias, glu: bool):
+    if not HAS_TRITON:
+        return "triton is not installed"
+    if not isinstance(y, torch.Tensor):
+        return "y is not a tensor"
+    why = common_device_dtype(y) if bias is None else common_device_dtype(y, bias)
+    if why:
+        return why
+    if y.dim() != 4:
+        return f"y must be 4-D [B, C, H, W], got {y.dim()}-D"
+    if y.numel() == 0:
+        return "empty tensor"
+    if glu and y.shape[1] % 2:
+        return "odd channel count: chunk(2) gives halves of different sizes"
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != y.shape[1]):
+        return "bias is not [C]"
+    if _pixel_stride(y.shape, y.stride()) is None:
+        return "H and W do not merge into one axis"
+    key = (y.dtype, y.get_device(), _layout_name(y), "bias" if bias is not None else "no bias")
+    return EpiloguePlan(y, bias, glu, key)
+
+
+def plan_bias_silu(y, bias, tier: str = "lossless"):
+    """The guard: a plan for the kernel, or the reason the call takes the reference."""
+    if bias is None:
+        return "no bias: a SiLU alone is eager's one kernel"
+    return _plan_epilogue(y, bias, False)
+
+
+def plan_bias_glu(y, bias, tier: str = "lossless"):
+    """The guard: a plan for the kernel, or the reason the call takes the reference."""
+    return _plan_epilogue(y, bias, True)
+
+
+def launch_epilogue(plan: EpiloguePlan, out=None, config=None) -> torch.Tensor:
+    """Run the kernel for a guarded plan, into `out` (any strides, the result's shape)
+    if given. `config` overrides (BLOCK_P, BLOCK_C, num_warps)."""
+    return _epilogue(plan.y, plan.bias, plan.glu, out, config)
+
+
+def _bias4(bias):
+    return bias.reshape(1, -1, 1, 1)  # aten's reshape_bias for 4-D
+
+
+def bias_silu_reference(y, bias) -> torch.Tensor:
+    """`silu(y + bias)`: eager's ops after a cuDNN convolution (its `add_` of the bias, then SiLU)."""
+    return F.silu(y if bias is None else y + _bias4(bias))
+
+
+def bias_glu_reference(y, bias) -> torch.Tensor:
+    """`h * silu(g)` for `h, g = (y + bias).chunk(2, dim=1)` (bias None: y's halves)."""
+    hidden, gate = torch.chunk(y if bias is None else y + _bias4(bias), 2, dim=1)
+    return hidden * F.silu(gate)
+
+
+def bias_silu(y, bias) -> torch.Tensor:
+    """`silu(y + bias[:, None, None])`, guarded but ungated: the kernel where eligible,
+    else the eager reference. y: [B, C, H, W]; bias: [C]."""
+    plan = plan_bias_silu(y, bias)
+    return bias_silu_reference(y, bias) if plan.__class__ is str else launch_epilogue(plan)
+
+
+def bias_glu(y, bias) -> torch.Tensor:
+    """`h * silu(g)` for `h, g = (y + bias[:, None, None]).chunk(2, dim=1)`, guarded but
+    ungated. y: [B, 2C, H, W]; bias: [2C] or None. Returns [B, C, H, W]."""
+    plan = plan_bias_glu(y, bias)
+    return bias_glu_reference(y, bias) if plan.__class__ is str else launch_epilogue(plan)
+
+
+# ---------------------------------------------------------------- the conv-level ops
+
+
+class ConvPlan:
+    """A conv + epilogue call that passed the guard: the convolution's arguments,
+    whether its bias is split off to the epilogue, and the gate key."""
+
+    __slots__ = ("bias", "dilation", "glu", "groups", "key", "padding", "split", "stride", "weight", "x")
+
+    def __init__(self, x, weight, bias, stride, padding, dilation, groups, split, glu, key):
+        self.x, self.weight, self.bias = x, weight, bias
+        self.stride, self.padding, self.dilation, self.groups = stride, padding, dilation, groups
+        self.split, self.glu, self.key = split, glu, key
+
+
+_backends = GeometryCache()
+
+
+def conv_backend(x, weight, bias, stride, padding, dilation, groups) -> str:
+    """The aten backend (`torch._C._ConvBackend` name) eager's `conv2d` takes for these
+    operands: what `at::_convolution` dispatches on. Cached per geometry."""
+    key = (x.shape, x.stride(), weight.shape, weight.stride(), bias is None, x.dtype, x.get_device(),
+           stride, padding, dilation, groups, torch.backends.cudnn.enabled)
+    return _backends.get(key, _select_backend, x, weight, bias, stride, padding, dilation, groups)
+
+
+def _select_backend(x, weight, bias, stride, padding, dilation, groups) -> str:
+    try:
+        backend = torch._C._select_conv_backend(x, weight, bias, list(stride), list(padding), list(dilation), False,
+                                                [0] * len(stride), groups)
+    except Exception as exc:  # noqa: BLE001 - an unknown torch: no split
+        return f"unknown ({type(exc).__name__})"
+    return getattr(backend, "name", str(backend).rsplit(".", 1)[-1])
+
+
+def _pair(v) -> tuple[int, int] | None:
+    if isinstance(v, int):
+        return (v, v)
+    if isinstance(v, (tuple, list)) and len(v) == 2 and all(isinstance(i, int) for i in v):
+        return (int(v[0]), int(v[1]))
+    return None
+
+
+def _plan_conv(x, weight, bias, stride, padding, dilation, groups, glu: bool):
+    if not HAS_TRITON:
+        return "triton is not installed"
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        return "x and weight must be tensors"
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        return "bias is not a tensor"
+    stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
+    if stride is None or padding is None or dilation is None or not isinstance(groups, int):
+        return "stride, padding and dilation must be ints or pairs (string padding: eager)"
+    why = common_device_dtype(x, weight) if bias is None else common_device_dtype(x, weight, bias)
+    if why:
+        return why
+    if x.dim() != 4 or weight.dim() != 4:
+        return "x and weight must be 4-D (conv2d)"
+    if x.numel() == 0 or weight.numel() == 0:
+        return "empty tensor"
+    C = weight.shape[0]
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != C):
+        return "bias is not [C_out]"
+    if glu and C % 2:
+        return "odd output channels: chunk(2) gives halves of different sizes"
+    backend = conv_backend(x, weight, bias, stride, padding, dilation, groups)
+    split = (bias is not None and backend in SPLIT_BACKENDS
+             and conv_backend(x, weight, None, stride, padding, dilation, groups) == backend)
+    if not glu and not split:
+        return f"eager's {backend} convolution adds the bias inside its kernel: no epilogue to fuse"
+    cin = x.shape[1]
+    kind = "depthwise" if groups == cin and groups > 1 else ("dense" if groups == 1 else f"groups={groups}")
+    fmt = "channels-last" if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not \
+        x.is_contiguous() else ("contiguous" if x.is_contiguous() else "strided")
+    bias_where = "bias split" if split else ("bias in conv" if bias is not None else "no bias")
+    key = (x.dtype, x.get_device(), f"{weight.shape[2]}x{weight.shape[3]} {kind}", f"stride={stride}",
+           f"padding={padding}", f"dilation={dilation}", fmt, backend, bias_where)
+    return ConvPlan(x, weight, bias, stride, padding, dilation, groups, split, glu, key)
+
+
+def plan_conv_bias_silu(x, weight, bias, stride, padding, dilation, groups, tier: str = "lossless"):
+    """The guard of `silu(conv2d(x, weight, bias, ...))`: a plan, or why eager runs."""
+    return _plan_conv(x, weight, bias, stride, padding, dilation, groups, False)
+
+
+def plan_conv_bias_glu(x, weight, bias, stride, padding, dilation, groups, tier: str = "lossless"):
+    """The guard of `h * silu(g)`, `h, g = conv2d(x, weight, bias, ...).chunk(2, dim=1)`."""
+    return _plan_conv(x, weight, bias, stride, padding, dilation, groups, True)
+
+
+def launch_conv(plan: ConvPlan, out=None, config=None) -> torch.Tensor:
+    """The convolution as eager runs it (without its bias when the plan splits it off),
+    then the epilogue kernel, into `out` if given."""
+    y = F.conv2d(plan.x, plan.weight, None if plan.split else plan.bias, plan.stride, plan.padding,
+                 plan.dilation, plan.groups)
+    return _epilogue(y, plan.bias if plan.split else None, plan.glu, out, config)
+
+
+def conv_bias_silu_reference(x, weight, bias, stride, padding, dilation, groups) -> torch.Tensor:
+    """The stock expression: `silu(conv2d(x, weight, bias, ...))`."""
+    return F.silu(F.conv2d(x, weight, bias, stride, padding, dilation, groups))
+
+
+def conv_bias_glu_reference(x, weight, bias, stride, padding, dilation, groups) -> torch.Tensor:
+    """The stock expression: `hidden * silu(gate)`, `hidden, gate = conv2d(...).chunk(2, dim=1)`."""
+    hidden, gate = torch.chunk(F.conv2d(x, weight, bias, stride, padding, dilation, groups), 2, dim=1)
+    return hidden * F.silu(gate)
+
+
+def conv_bias_silu(x, weight, bias, stride=1, padding=0, dilation=1, groups=1) -> torch.Tensor:
+    """`silu(conv2d(x, weight, bias, ...))`, guarded but ungated (the sites gate it).
+    x: [B, C_in, H, W]; weight: [C_out, C_in / groups, kh, kw]; bias: [C_out]."""
+    args = (x, weight, bias, stride, padding, dilation, groups)
+    plan = plan_conv_bias_silu(*args)
+    return conv_bias_silu_reference(*args) if plan.__class__ is str else launch_conv(plan)
+
+
+def conv_bias_glu(x, weight, bias, stride=1, padding=0, dilation=1, groups=1) -> torch.Tensor:
+    """`h * silu(g)` for `h, g = conv2d(x, weight, bias, ...).chunk(2, dim=1)`, guarded but
+    ungated. Returns [B, C_out / 2, H_out, W_out]."""
+    args = (x, weight, bias, stride, padding, dilation, groups)
+    plan = plan_conv_bias_glu(*args)
+    return conv_bias_glu_reference(*args) if plan.__class__ is str else launch_conv(plan)
+
+
+# ---------------------------------------------------------------- operands for verify, benchmarks, fuzz
+
+
+def image_of(S: int) -> tuple[int, int]:
+    """(H, W) with H * W = S, as square as S allows (a prime S: 1 x S)."""
+    H = max(h for h in range(1, math.isqrt(S) + 1) if S % h == 0)
+    return H, S // H
+
+
+def _tensor4(case: cases.Case, gen, channels: int, scale: float = 1.0) -> torch.Tensor:
+    """[B, channels, H, W] in the case's layout; `strided`: a channel slice of a wider tensor."""
+    H, W = image_of(case.S)
+    extra = 8 if case.strided else 0
+    t = cases.draw((case.B, channels + extra, H, W), case.dtype, case.data, gen, case.device, scale)
+    if case.layout == "channels-last":
+        t = t.contiguous(memory_format=torch.channels_last)
+    elif case.layout != "contiguous":
+        raise ValueError(f"unknown layout {case.layout!r}; choose one of {', '.join(LAYOUTS)}")
+    return t[:, :channels] if extra else t
+
+
+def _make_bias_silu(case: cases.Case) -> tuple:
+    gen = case.generator()
+    y = _tensor4(case, gen, case.D, 2.0)
+    return y, cases.draw((case.D,), case.dtype, case.data, gen, case.device)
+
+
+def _make_bias_glu(case: cases.Case) -> tuple:
+    gen = case.generator()
+    y = _tensor4(case, gen, 2 * case.D, 2.0)
+    return y, cases.draw((2 * case.D,), case.dtype, case.data, gen, case.device)
+
+
+CONV_IN = 64  # input channels of the 1x1 convolution the conv_bias_silu cases draw
+
+
+def _make_conv_bias_silu(case: cases.Case) -> tuple:
+    gen = case.generator()
+    x = _tensor4(case, gen, CONV_IN)
+    weight = cases.draw((case.D, CONV_IN, 1, 1), case.dtype, "randn", gen, case.device, CONV_IN ** -0.5)
+    bias = cases.draw((case.D,), case.dtype, case.data, gen, case.device)
+    return x, weight, bias, (1, 1), (0, 0), (1, 1), 1
+
+
+def _make_conv_bias_glu(case: cases.Case) -> tuple:
+    gen = case.generator()
+    C = 2 * case.D
+    x = _tensor4(case, gen, C)
+    weight = cases.draw((C, 1, 3, 3), case.dtype, "randn", gen, case.device, 1 / 3)
+    bias = cases.draw((C,), case.dtype, case.data, gen, case.device)
+    return x, weight, bias, (1, 1), (1, 1), (1, 1), C
+
+
+_LAUNCH = {"lossless": launch_epilogue}
+_CONV_LAUNCH = {"lossless": launch_conv}
+
+SPECS = {
+    spec.name: spec
+    for spec in (
+        OpSpec("bias_silu", bias_silu_reference, plan_bias_silu, _LAUNCH, make_args=_make_bias_silu,
+               layouts=LAYOUTS),
+        OpSpec("bias_glu", bias_glu_reference, plan_bias_glu, _LAUNCH, make_args=_make_bias_glu, layouts=LAYOUTS),
+        OpSpec("conv_bias_silu", conv_bias_silu_reference, plan_conv_bias_silu, _CONV_LAUNCH,
+               make_args=_make_conv_bias_silu, layouts=LAYOUTS),
+        OpSpec("conv_bias_glu", conv_bias_glu_reference, plan_conv_bias_glu, _CONV_LAUNCH,
+               make_args=_make_conv_bias_glu, layouts=LAYOUTS),
+    )
+}
+
+
+# ---------------------------------------------------------------- torch.library
+
+
+def _bias_silu_op(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return bias_silu(y, bias)
+
+
+def _bias_glu_op(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return bias_glu(y, bias)
+
+
+bias_silu_op = register_op("bias_silu", _bias_silu_op, bias_silu_reference)
+bias_glu_op = register_op("bias_glu", _bias_glu_op, bias_glu_reference)

@@ -1,0 +1,331 @@
+"""Convolution epilogues on the CPU: references against diffusers' GLUMBConv, guard
+reasons, the backend question, the sites' routing; under Triton's interpreter (fp32)
+the kernels' indexing, masks, both tile orientations, strides and output layouts.
+
+The interpreter computes the SiLU with numpy's float32 exp and division (the GPU
+kernel calls libdevice's expf and an IEEE division, as aten's CUDA silu does), so
+kernel outputs are compared bitwise with the same expression in numpy float32; the
+GPU tests compare them with eager's bits."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bitfuse import policy, sites
+from bitfuse.numerics import same_bits
+from bitfuse.ops import SPECS, cases
+from bitfuse.ops import _params as params_module
+from bitfuse.ops import conv_epilogue as E
+from bitfuse.ops._launch import HAS_TRITON
+
+interpreter = pytest.mark.skipif(
+    not HAS_TRITON or os.environ.get("TRITON_INTERPRET") != "1", reason="needs triton's interpreter (CPU runs)"
+)
+
+
+@contextlib.contextmanager
+def cpu_kernels():
+    """Plans for CPU tensors, to run the kernels in Triton's interpreter."""
+    old, params_module.INTERPRET_ON_CPU = params_module.INTERPRET_ON_CPU, True
+    try:
+        yield
+    finally:
+        params_module.INTERPRET_ON_CPU = old
+
+
+def np_silu(t: torch.Tensor) -> torch.Tensor:
+    """x / (1 + exp(-x)) in numpy float32: what the interpreter computes."""
+    a = t.detach().contiguous().numpy()
+    return torch.from_numpy(a / (np.float32(1) + np.exp(-a)))
+
+
+def np_bias_silu(y, bias):
+    return np_silu(y + bias.reshape(1, -1, 1, 1))
+
+
+def np_bias_glu(y, bias):
+    hidden, gate = torch.chunk(y if bias is None else y + bias.reshape(1, -1, 1, 1), 2, dim=1)
+    return hidden * np_silu(gate)
+
+
+def _layout(t, layout):
+    if layout == "channels-last":
+        return t.contiguous(memory_format=torch.channels_last)
+    if layout == "token-view":  # Sana's FF input: [B, H*W, C] tokens viewed as NCHW
+        B, C, H, W = t.shape
+        return t.permute(0, 2, 3, 1).reshape(B, H * W, C).unflatten(1, (H, W)).permute(0, 3, 1, 2)
+    if layout == "channel-slice":  # a non-dense view: channels of a wider channels-last tensor
+        B, C, H, W = t.shape
+        wide = torch.cat([t, torch.zeros(B, 5, H, W)], 1).contiguous(memory_format=torch.channels_last)
+        return wide[:, :C]
+    if layout == "nchw-slice":
+        B, C, H, W = t.shape
+        return torch.cat([torch.zeros(B, 3, H, W), t], 1)[:, 3:]
+    return t.contiguous()
+
+
+# ---------------------------------------------------------------- references
+
+
+def test_references_are_glumbconvs_ops():
+    """The conv-level references are GLUMBConv's lines; the epilogue references are what
+    eager runs after a cuDNN convolution (conv without bias, `add_` of the bias)."""
+    from diffusers.models.transformers.sana_transformer import GLUMBConv
+
+    torch.manual_seed(0)
+    ff = GLUMBConv(16, 16, 2.5, norm_type=None, residual_connection=False).eval()
+    x = torch.randn(2, 16, 3, 5)
+    with torch.no_grad():
+        a = ff.nonlinearity(ff.conv_inverted(x))
+        c = ff.conv_inverted
+        assert same_bits(a, E.conv_bias_silu_reference(x, c.weight, c.bias, c.stride, c.padding, c.dilation, c.groups))
+        d = ff.conv_depth
+        h, g = torch.chunk(d(a), 2, dim=1)
+        b = h * ff.nonlinearity(g)
+        assert same_bits(b, E.conv_bias_glu_reference(a, d.weight, d.bias, d.stride, d.padding, d.dilation, d.groups))
+        y = F.conv2d(a, d.weight, None, d.stride, d.padding, d.dilation, d.groups)
+        y2 = y.clone().add_(d.bias.reshape(1, -1, 1, 1))
+        h2, g2 = torch.chunk(y2, 2, dim=1)
+        assert same_bits(E.bias_glu_reference(y, d.bias), h2 * F.silu(g2))
+        assert same_bits(E.bias_silu_reference(y, d.bias), F.silu(y2))
+
+
+def test_specs_are_registered():
+    for name in ("bias_silu", "bias_glu", "conv_bias_silu", "conv_bias_glu"):
+        spec = SPECS[name]
+        assert spec.tiers == ("lossless",) and spec.layouts == E.LAYOUTS
+        args = spec.make_args(cases.Case(2, 6, 10, torch.float32, "channels-last", "randn", 0, "cpu"))
+        out = spec.reference(*args)
+        assert out.shape[:2] == (2, 10) and out.shape[2] * out.shape[3] == 6
+
+
+@pytest.mark.parametrize("name", ["bias_silu", "bias_glu", "conv_bias_silu", "conv_bias_glu"])
+@pytest.mark.parametrize("layout", E.LAYOUTS)
+def test_make_args_layouts(name, layout):
+    for strided in (False, True):
+        case = cases.Case(2, 7, 12, torch.float32, layout, "zeros", 1, "cpu", strided)
+        x = SPECS[name].make_args(case)[0]
+        assert x.shape[2:] == (1, 7)
+        assert (x.stride(1) == 1) == (layout == "channels-last")
+        assert x.is_contiguous() == (layout == "contiguous" and not strided)
+
+
+def test_image_of():
+    assert E.image_of(1024) == (32, 32) and E.image_of(6144) == (64, 96)
+    assert E.image_of(1031) == (1, 1031) and E.image_of(1) == (1, 1) and E.image_of(8) == (2, 4)
+
+
+# ---------------------------------------------------------------- guards
+
+
+def test_cpu_tensors_take_the_reference():
+    y, b = torch.randn(2, 8, 3, 3), torch.randn(8)
+    assert E.plan_bias_silu(y, b) == "CPU tensor"
+    assert same_bits(E.bias_silu(y, b), E.bias_silu_reference(y, b))
+    w = torch.randn(8, 1, 3, 3)
+    assert E.plan_conv_bias_glu(y, w, b, 1, 1, 1, 8) == "CPU tensor"
+    assert same_bits(E.conv_bias_glu(y, w, b, 1, 1, 1, 8), E.conv_bias_glu_reference(y, w, b, 1, 1, 1, 8))
+
+
+def test_guard_reasons():
+    with cpu_kernels():
+        y = torch.randn(2, 8, 3, 3)
+        assert E.plan_bias_silu(y, None).startswith("no bias")
+        assert E.plan_bias_silu(y, torch.randn(7)) == "bias is not [C]"
+        assert E.plan_bias_glu(torch.randn(2, 7, 3, 3), None).startswith("odd channel count")
+        assert E.plan_bias_silu(y, torch.randn(8, dtype=torch.float64)).startswith("unsupported dtype") or \
+            E.plan_bias_silu(y, torch.randn(8, dtype=torch.float64)).startswith("mixed dtypes")
+        assert E.plan_bias_silu(torch.randn(8, 3, 3), torch.randn(3)).startswith("y must be 4-D")
+        assert E.plan_bias_silu(torch.randn(2, 8, 0, 3), torch.randn(8)) == "empty tensor"
+        assert E.plan_bias_silu(torch.randn(2, 8, 4, 6).transpose(2, 3), torch.randn(8)).startswith("H and W")
+        x, w = torch.randn(2, 8, 3, 3), torch.randn(8, 8, 1, 1)
+        assert E.plan_conv_bias_silu(x, w, torch.randn(8), 1, "same", 1, 1).startswith("stride, padding")
+        assert E.plan_conv_bias_glu(x, torch.randn(7, 8, 1, 1), None, 1, 0, 1, 1).startswith("odd output")
+        assert E.plan_conv_bias_silu(x, w, torch.randn(4), 1, 0, 1, 1) == "bias is not [C_out]"
+        # the CPU's convolution adds its bias inside (mkldnn, slow_conv2d): nothing for the SiLU epilogue
+        assert "adds the bias inside" in E.plan_conv_bias_silu(x, w, torch.randn(8), 1, 0, 1, 1)
+        plan = E.plan_conv_bias_glu(x, w, torch.randn(8), 1, 0, 1, 1)
+        assert not plan.split and plan.key[-1] == "bias in conv"
+        with torch.enable_grad():
+            wg = w.clone().requires_grad_()
+            assert E.plan_conv_bias_glu(x, wg, None, 1, 0, 1, 1) == "autograd needs the eager graph"
+
+
+def test_the_bias_is_split_only_where_aten_adds_it_separately(monkeypatch):
+    """The planner asks aten which backend eager's conv2d takes, for the call with its
+    bias and the call without, and splits the bias off only for SPLIT_BACKENDS."""
+    seen = []
+
+    def fake(x, weight, bias, stride, padding, dilation, groups):
+        seen.append(bias is None)
+        return "Cudnn" if (bias is None or not fake.bias_inside) else "CudaDepthwise2d"
+
+    monkeypatch.setattr(E, "conv_backend", fake)
+    x, w, b = torch.randn(2, 8, 5, 5), torch.randn(8, 1, 3, 3), torch.randn(8)
+    with cpu_kernels():
+        fake.bias_inside = False
+        plan = E.plan_conv_bias_glu(x, w, b, 1, 1, 1, 8)
+        assert plan.split and "Cudnn" in plan.key and "bias split" in plan.key and "3x3 depthwise" in plan.key
+        assert E.plan_conv_bias_silu(x, w, b, 1, 1, 1, 8).split
+        fake.bias_inside = True  # the backends differ with and without a bias: never split
+        plan = E.plan_conv_bias_glu(x, w, b, 1, 1, 1, 8)
+        assert not plan.split and "CudaDepthwise2d" in plan.key
+        assert "adds the bias inside" in E.plan_conv_bias_silu(x, w, b, 1, 1, 1, 8)
+    assert seen.count(False) >= 2 and seen.count(True) >= 2
+
+
+def test_backend_is_asked_of_aten():
+    """On the CPU aten picks a CPU backend; the name is what `torch._C._select_conv_backend`
+    says, cached per geometry."""
+    x, w, b = torch.randn(1, 4, 5, 5), torch.randn(4, 1, 3, 3), torch.randn(4)
+    name = E.conv_backend(x, w, b, (1, 1), (1, 1), (1, 1), 4)
+    assert name in torch._C._ConvBackend.__members__ and name not in E.SPLIT_BACKENDS
+    assert E.conv_backend(x, w, b, (1, 1), (1, 1), (1, 1), 4) == name
+
+
+# ---------------------------------------------------------------- kernels, interpreted (fp32)
+
+SHAPES = [(1, 1, 1, 1), (2, 100, 3, 5), (2, 64, 1, 9), (1, 7, 13, 1), (2, 300, 2, 3)]
+CONFIGS = [None, (2, 32, 4)]  # None: the default tiles; (2, 32, 4): masked tiles on both axes
+
+
+@interpreter
+@pytest.mark.parametrize("B,C,H,W", SHAPES)
+@pytest.mark.parametrize("layout", ["contiguous", "channels-last", "token-view", "channel-slice", "nchw-slice"])
+def test_epilogues_fp32_poisoned_and_default_outputs(B, C, H, W, layout):
+    g = torch.Generator().manual_seed(B * 1000 + C + H * 7 + W)
+    y = _layout(torch.randn(B, C, H, W, generator=g) * 4, layout)
+    b = torch.randn(C, generator=g)
+    y2 = _layout(torch.randn(B, 2 * C, H, W, generator=g) * 4, layout)
+    b2 = torch.randn(2 * C, generator=g)
+    with cpu_kernels():
+        silu, glu, glu_nobias = E.plan_bias_silu(y, b), E.plan_bias_glu(y2, b2), E.plan_bias_glu(y2, None)
+    for config in CONFIGS:
+        out = E.launch_epilogue(silu, config=config)
+        assert same_bits(out, np_bias_silu(y, b)) and out.stride() == E.bias_silu_reference(y, b).stride()
+        out = E.launch_epilogue(glu, config=config)
+        assert same_bits(out, np_bias_glu(y2, b2)) and out.stride() == E.bias_glu_reference(y2, b2).stride()
+        for plan, ref in ((silu, np_bias_silu(y, b)), (glu, np_bias_glu(y2, b2)), (glu_nobias, np_bias_glu(y2, None))):
+            poisoned = torch.full(ref.shape, float("nan"))
+            assert same_bits(E.launch_epilogue(plan, out=poisoned, config=config), ref), (layout, config)
+            cl_out = torch.full(ref.shape, float("nan")).contiguous(memory_format=torch.channels_last)
+            assert same_bits(E.launch_epilogue(plan, out=cl_out, config=config), ref), (layout, config)
+
+
+@interpreter
+def test_special_values_and_wide_indexing(monkeypatch):
+    """inf, -inf, NaN, signed zeros and subnormals through the bias add and the SiLU;
+    the same with int64 offsets forced."""
+    vals = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-40, -1e-40, 90.0, -90.0, 3.0])
+    y = vals.repeat(2, 4, 1).reshape(2, 4, 5, 2).contiguous(memory_format=torch.channels_last)
+    b = torch.tensor([0.0, -0.0, 1.0, float("nan")])
+    y2 = torch.cat([y, y.flip(1)], 1).contiguous(memory_format=torch.channels_last)
+    b2 = torch.cat([b, -b])
+    for wide in (False, True):
+        monkeypatch.setattr(E, "needs_int64", lambda *extents, wide=wide: wide)
+        E._recipes.clear()
+        with cpu_kernels():
+            assert same_bits(E.launch_epilogue(E.plan_bias_silu(y, b)), np_bias_silu(y, b))
+            assert same_bits(E.launch_epilogue(E.plan_bias_glu(y2, b2)), np_bias_glu(y2, b2))
+    E._recipes.clear()
+
+
+@interpreter
+@pytest.mark.parametrize("layout", ["token-view", "contiguous"])
+def test_conv_level_launch_runs_eagers_convolution(monkeypatch, layout):
+    """launch_conv: the convolution without its bias (split) or with it (not split), then
+    the epilogue; the result is the epilogue of exactly that convolution's output."""
+    g = torch.Generator().manual_seed(3)
+    x = _layout(torch.randn(2, 16, 4, 6, generator=g), layout)
+    w1, b1 = torch.randn(80, 16, 1, 1, generator=g) / 4, torch.randn(80, generator=g)
+    w2, b2 = torch.randn(80, 1, 3, 3, generator=g) / 3, torch.randn(80, generator=g)
+    monkeypatch.setattr(E, "SPLIT_BACKENDS", frozenset({E.conv_backend(x, w1, b1, (1, 1), (0, 0), (1, 1), 1)}))
+    with cpu_kernels():
+        p1 = E.plan_conv_bias_silu(x, w1, b1, 1, 0, 1, 1)
+        assert p1.split
+        a = E.launch_conv(p1)
+        assert same_bits(a, np_bias_silu(F.conv2d(x, w1, None), b1))
+        assert a.stride() == F.conv2d(x, w1, b1).stride()
+        p2 = E.plan_conv_bias_glu(a, w2, b2, 1, 1, 1, 80)
+        out = E.launch_conv(p2)
+        y = F.conv2d(a, w2, None if p2.split else b2, 1, 1, 1, 80)
+        assert same_bits(out, np_bias_glu(y, b2 if p2.split else None))
+        assert out.stride() == E.conv_bias_glu_reference(a, w2, b2, 1, 1, 1, 80).stride()
+
+
+# ---------------------------------------------------------------- sites
+
+
+def _glumbconv(dtype=torch.float32):
+    from diffusers.models.transformers.sana_transformer import GLUMBConv
+
+    torch.manual_seed(1)
+    return GLUMBConv(16, 16, 2.5, norm_type=None, residual_connection=False).eval().to(dtype)
+
+
+def test_sites_are_the_module_calls_on_cpu_and_under_compile(monkeypatch):
+    ff = _glumbconv()
+    x = torch.randn(2, 16, 3, 5)
+    with torch.no_grad():
+        a = ff.nonlinearity(ff.conv_inverted(x))
+        h, g = torch.chunk(ff.conv_depth(a), 2, dim=1)
+        b = h * ff.nonlinearity(g)
+        assert same_bits(sites.conv_bias_silu_site(ff.conv_inverted, ff.nonlinearity, x), a)
+        assert same_bits(sites.conv_bias_glu_site(ff.conv_depth, ff.nonlinearity, a), b)
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        monkeypatch.setattr(E, "plan_conv_bias_glu", None)  # would raise if the site planned
+        assert same_bits(sites.conv_bias_glu_site(ff.conv_depth, ff.nonlinearity, a), b)
+
+
+def test_sites_call_unrecognised_modules_as_they_are():
+    """A subclass, a hook, a GELU, reflect padding: the modules are called as they are."""
+    ff = _glumbconv()
+    x = torch.randn(1, 16, 4, 4)
+    calls = []
+
+    class Conv(torch.nn.Conv2d):
+        pass
+
+    conv = Conv(16, 32, 1)
+    hooked = torch.nn.Conv2d(16, 32, 1)
+    hooked.register_forward_hook(lambda m, i, o: calls.append(1))
+    reflect = torch.nn.Conv2d(16, 32, 3, padding=1, padding_mode="reflect")
+    assert sites._conv_args(conv, ff.nonlinearity, x) is None
+    assert sites._conv_args(hooked, ff.nonlinearity, x) is None
+    assert sites._conv_args(reflect, ff.nonlinearity, x) is None
+    assert sites._conv_args(ff.conv_inverted, torch.nn.GELU(), x) is None
+    assert sites._conv_args(torch.nn.Conv2d(16, 32, 3, padding="same"), ff.nonlinearity, x) is None
+    args = sites._conv_args(ff.conv_depth, ff.nonlinearity, x)
+    assert args[1] is ff.conv_depth.weight and args[3:] == ((1, 1), (1, 1), (1, 1), 80)
+    with torch.no_grad():
+        out = sites.conv_bias_glu_site(hooked, ff.nonlinearity, x)
+        h, g = torch.chunk(hooked(x), 2, dim=1)
+    assert calls == [1, 1] and same_bits(out, h * F.silu(g))
+
+
+@interpreter
+def test_glu_site_gates_the_kernel_on_cpu(monkeypatch):
+    """fp32 under the interpreter: the GLU site plans (the CPU convolution keeps its bias:
+    the kernel fuses the chunk, SiLU and product), the gate compares with eager at first
+    sight; whatever the verdict (numpy's exp against torch's CPU silu), the output is
+    eager's, and a verdict for the conv-level op is recorded."""
+    ff = _glumbconv()
+    x = _layout(torch.randn(2, 80, 4, 4), "token-view")
+    monkeypatch.setattr(params_module, "INTERPRET_ON_CPU", True)
+    with torch.no_grad():
+        h, g = torch.chunk(ff.conv_depth(x), 2, dim=1)
+        ref = h * ff.nonlinearity(g)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", policy.FallbackWarning)
+            out = sites.conv_bias_glu_site(ff.conv_depth, ff.nonlinearity, x)
+            again = sites.conv_bias_glu_site(ff.conv_depth, ff.nonlinearity, x)
+    assert same_bits(out, ref) and same_bits(again, ref)
+    verdicts = [v for v in policy.verdicts() if v.op == "conv_bias_glu"]
+    assert len(verdicts) == 1 and "bias in conv" in verdicts[0].signature
