@@ -184,9 +184,13 @@ def gated(spec: OpSpec, tier: str, plan, args: tuple, fallback=None):
 
 
 def _poisoned(ref):
+    """NaN-filled outputs with eager's strides: the output returned at first sight is
+    then laid out as eager's (a channels-last result stays channels-last), so what
+    reads it downstream (a convolution choosing its algorithm by layout) sees eager's
+    tensor, not only eager's values."""
     if ref.__class__ is tuple:
         return tuple(_poisoned(r) for r in ref)
-    return torch.full(ref.shape, float("nan"), dtype=ref.dtype, device=ref.device)
+    return torch.empty_like(ref).fill_(float("nan"))
 
 
 def _verify(key, spec: OpSpec, tier: str, plan, args: tuple, fallback):

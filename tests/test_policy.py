@@ -116,6 +116,24 @@ def test_a_kernel_that_leaves_outputs_unwritten_is_caught():
     assert bitfuse.verdicts()[0].status == "mismatch"
 
 
+def test_first_sight_returns_eagers_layout():
+    """The output returned at first sight has eager's strides, not only its values: a
+    channels-last result read by a convolution downstream picks the convolution's
+    algorithm (and its bits) by layout. Found on Sana's GLUMBConv, where a contiguous
+    first-sight output sent the depthwise convolution to another backend."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 6, 4, 5, generator=g).to(memory_format=torch.channels_last)
+
+    def silu(t):
+        return torch.nn.functional.silu(t)
+
+    out = policy.gated(spec(Fast((x,), fn=silu), ref=silu), "lossless", Plan(), (x,))
+    ref = silu(x)
+    assert ref.stride() != ref.contiguous().stride()  # the case is a real channels-last one
+    assert out.stride() == ref.stride() and torch.equal(out, ref)
+    assert bitfuse.verdicts()[0].status == "verified"
+
+
 def test_a_launch_path_wrong_only_after_the_first_call_is_caught():
     """The first launch compiles through Triton; later ones take the direct launcher.
     First sight checks both."""
