@@ -1,7 +1,8 @@
-"""Write the results block of bench/README.md from bench/results/*.json (never typed by hand).
+"""Write the results block of bench/README.md, and the summary table of the top
+README.md, from bench/results/*.json (never typed by hand).
 
-    python -m bench.report            # rewrites the block between the results markers
-    python -m bench.report --check    # exit 1 if bench/README.md is out of date
+    python -m bench.report            # rewrites the blocks between the markers
+    python -m bench.report --check    # exit 1 if either README is out of date
 
 Reads the JSON of bench/models.py ("bench": "models"), bench/ops.py (ops-*.json,
 and repeat/ops-*.json for the round-by-round comparison) and bench/norm_accuracy.py
@@ -22,6 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
 README = os.path.join(ROOT, "bench", "README.md")
 START, END = "<!-- results:start (bench/report.py writes this) -->", "<!-- results:end -->"
+TOP_README = os.path.join(ROOT, "README.md")
+TOP_START, TOP_END = "<!-- summary:start (bench/report.py writes this) -->", "<!-- summary:end -->"
 
 OPS_VARIANTS = ("eager", "torch.compile", "compile+emulate", "bitfuse lossless", "bitfuse high")
 POINTWISE = ("modulate", "gated_residual")
@@ -200,12 +203,22 @@ def _differ(mode, r):
     return "" if r.get("differing") is None else f"{r['differing']:,} of {r['numel']:,}"
 
 
+def _depth(cfg) -> str:
+    """The model's depth as its config states it: "48 layers", "19 double + 38 single layers"."""
+    model = cfg.get("model") or {}
+    n = model.get("num_layers") or cfg.get("layers")
+    if not n:
+        return ""
+    single = model.get("num_single_layers")
+    return f"{n} double + {single} single layers" if single else f"{n} layers"
+
+
 def models_section(path):
     res = _load(path)
     cfg, v = res["config"], res["versions"]
     lines = [
         f"**{res['preset']}** ({res.get('about', '')}) — {res['gpu']}, torch {v.get('torch')}, triton "
-        f"{v.get('triton')}, diffusers {v.get('diffusers')}; {cfg.get('layers')} layers, batch {cfg['batch']}, "
+        f"{v.get('triton')}, diffusers {v.get('diffusers')}; {_depth(cfg)}, batch {cfg['batch']}, "
         f"{cfg['dtype']}, {cfg['rounds']} interleaved rounds × {cfg['per_round']} forwards per mode ({res['date']}, "
         f"{res['status']}). `{res['command']}`. Source: {_src(path)}.",
     ]
@@ -265,7 +278,7 @@ def headline(ops_path, models_paths):
                     parts.append(f"{MODE_LABELS[mode]} {ms(mode):.1f} ms ({r['speedup_vs_eager']:.2f}×"
                                  + (f", {_differ(mode, r)} elements differ" if r.get("differing") is not None else "")
                                  + ")")
-            lines.append(f"- {res['preset']}, {res['config'].get('layers')} layers, {name} ({w.get('describe', '')}): "
+            lines.append(f"- {res['preset']}, {_depth(res['config'])}, {name} ({w.get('describe', '')}): "
                          + "; ".join(parts) + ".")
     if ops_path:
         rows = _load(ops_path)["rows"]
@@ -290,6 +303,50 @@ def headline(ops_path, models_paths):
                 text += f", high {v['bitfuse high']['us']:.1f} µs ({v['bitfuse high']['pct_ceiling']:.0f}%)"
             lines.append(text + ".")
     return lines + ([""] if lines else [])
+
+
+def summary(models_paths) -> str:
+    """The top README's table: one row a model workload, its speed-ups and exactness."""
+    lines = ["| model, shape (one H200) | eager | lossless | lossless + CUDA graphs | regional torch.compile |",
+             "|---|---|---|---|---|"]
+
+    def cell(r, exact_word):
+        if not r or r.get("ms") is None:
+            return "not run"
+        text = f"{r['ms']:.0f} ms, {r['speedup_vs_eager']:.2f}×"
+        if r.get("speedup_vs_compile") is not None:
+            text += f" ({r['speedup_vs_compile']:.2f}× compile)"
+        if r.get("differing") is not None:
+            text += f", {exact_word}" if r["differing"] == 0 else f", {r['differing']:,} of {r['numel']:,} differ"
+        return text
+
+    for path in models_paths:
+        res = _load(path)
+        cfg = res["config"]
+        for name, w in res["workloads"].items():
+            m = w["modes"]
+            if (m.get("eager") or {}).get("ms") is None:
+                continue
+            what = res.get("about") or res["preset"]
+            if _depth(cfg) and "layers" not in what:
+                what += f", {_depth(cfg)}"
+            what += f", B={cfg['batch']}" + ("" if name == "default" else f", {name}")
+            if res.get("status") != "complete":
+                what += " (run cut short by its time limit after these rows)"
+            compile_cell = cell(m.get("compile"), "bit-exact")
+            lines.append(f"| {what} | {m['eager']['ms']:.0f} ms | {cell(m.get('lossless'), 'bit-exact')} | "
+                         f"{cell(m.get('graphs'), 'bit-exact')} | {compile_cell} |")
+    if len(lines) == 2:
+        return "No model results committed yet.\n"
+    return "\n".join(lines) + "\n"
+
+
+def _replace(text: str, start: str, end: str, body: str) -> str | None:
+    if start not in text or end not in text:
+        return None
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    return head + start + "\n" + body + end + tail
 
 
 def render():
@@ -322,21 +379,25 @@ def render():
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n")[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 if bench/README.md is out of date")
+    ap.add_argument("--check", action="store_true", help="exit 1 if either README is out of date")
     args = ap.parse_args(argv)
-    with open(README) as f:
-        text = f.read()
-    if START not in text or END not in text:
-        print(f"{os.path.relpath(README, ROOT)} lacks the results markers", file=sys.stderr)
-        return 2
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    new = head + START + "\n" + render() + END + tail
-    if args.check:
-        return 0 if new == text else 1
-    with open(README, "w") as f:
-        f.write(new)
-    return 0
+    models = [p for p in sorted(glob.glob(os.path.join(RESULTS, "*.json"))) if _load(p).get("bench") == "models"]
+    stale = False
+    for path, start, end, body, required in ((README, START, END, render, True),
+                                             (TOP_README, TOP_START, TOP_END, lambda: summary(models), False)):
+        text = open(path).read() if os.path.exists(path) else ""
+        new = _replace(text, start, end, body())
+        if new is None:
+            if required:
+                print(f"{os.path.relpath(path, ROOT)} lacks the results markers", file=sys.stderr)
+                return 2
+            continue
+        if new != text:
+            stale = True
+            if not args.check:
+                with open(path, "w") as f:
+                    f.write(new)
+    return 1 if args.check and stale else 0
 
 
 if __name__ == "__main__":

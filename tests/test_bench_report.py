@@ -101,6 +101,9 @@ def results(tmp_path, monkeypatch):
     (tmp_path / "results" / "archive").mkdir(parents=True)
     monkeypatch.setattr(report, "RESULTS", str(tmp_path / "results"))
     monkeypatch.setattr(report, "README", str(readme))
+    top = tmp_path / "TOP.md"
+    top.write_text(f"# top\n\n{report.TOP_START}\nstale\n{report.TOP_END}\n")
+    monkeypatch.setattr(report, "TOP_README", str(top))
     return tmp_path
 
 
@@ -117,8 +120,22 @@ def test_render_and_check(results):
     assert text.endswith(report.END + "\n\nafter\n") and "archive" not in text
     assert text.index("**ltx2**") < text.index("**Ops**") and "Plots: [a.png](results/a.png)" in text
     assert report.main(["--check"]) == 0
+    top = (results / "TOP.md").read_text()
+    assert "stale" not in top and "| model, shape (one H200) |" in top and top.count("\n| ") == 2
     (res / "ops-nvidia-h200.json").write_text(json.dumps(_ops_result(OPS_ROWS[:2], {})))
     assert report.main(["--check"]) == 1
+
+
+def test_the_top_summary_goes_stale_on_its_own(results):
+    """A new model result changes the top README's table: --check sees it even when
+    bench/README.md would not change otherwise."""
+    res = results / "results"
+    (res / "ltx2-nvidia-h200-b2.json").write_text(json.dumps(_models_result()))
+    assert report.main([]) == 0 and report.main(["--check"]) == 0
+    top = results / "TOP.md"
+    top.write_text(top.read_text().replace("bit-exact", "edited by hand"))
+    assert report.main(["--check"]) == 1
+    assert report.main([]) == 0 and "edited by hand" not in top.read_text()
 
 
 def test_a_readme_without_markers_is_refused(results, capsys):
