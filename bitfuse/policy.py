@@ -184,13 +184,18 @@ def gated(spec: OpSpec, tier: str, plan, args: tuple, fallback=None):
 
 
 def _poisoned(ref):
-    """NaN-filled outputs with eager's strides: the output returned at first sight is
-    then laid out as eager's (a channels-last result stays channels-last), so what
-    reads it downstream (a convolution choosing its algorithm by layout) sees eager's
-    tensor, not only eager's values."""
+    """NaN-filled outputs, row-major, as the launchers' `out=` takes them."""
     if ref.__class__ is tuple:
         return tuple(_poisoned(r) for r in ref)
-    return torch.empty_like(ref).fill_(float("nan"))
+    return torch.full(ref.shape, float("nan"), dtype=ref.dtype, device=ref.device)
+
+
+def _same_layout(a, b) -> bool:
+    """Whether a and b (tensors or tuples of them) have the same strides over their
+    dimensions of size > 1."""
+    if a.__class__ is tuple:
+        return all(_same_layout(x, y) for x, y in zip(a, b))
+    return all(sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()) if n > 1)
 
 
 def _verify(key, spec: OpSpec, tier: str, plan, args: tuple, fallback):
@@ -224,7 +229,11 @@ def _verify(key, spec: OpSpec, tier: str, plan, args: tuple, fallback):
         if why is None:
             if key not in _verdicts:
                 _record(key, "verified")
-            return out
+            # the poisoned buffers are row-major: where eager's result is laid out otherwise
+            # (channels-last, permuted), eager's own result goes on (the same bits), since a
+            # convolution or a GEMM reading it downstream picks its algorithm, and its bits,
+            # by layout
+            return out if _same_layout(out, ref) else ref
         _record(key, "mismatch", why)
         return ref if fallback is None else fallback(*args)
 def state(spec: OpSpec, tier: str, plan) -> bool | None:

@@ -48,6 +48,22 @@ def rows_of(x: torch.Tensor) -> Rows | None:
     return None
 
 
+def permuted(t: torch.Tensor) -> bool:
+    """Whether `t`'s dimensions of size > 1, taken left to right, do not have
+    non-increasing strides (a transposed or permuted view). Eager's pointwise result
+    then takes `t`'s layout (TensorIterator lays its output out as its first operand),
+    where the row kernels write row-major: the same values in another layout, which a
+    layout-sensitive consumer downstream (a GEMM, a convolution) turns into other bits."""
+    last = None
+    for size, stride in zip(t.shape, t.stride()):
+        if size == 1:
+            continue
+        if last is not None and stride > last:
+            return True
+        last = stride
+    return False
+
+
 def broadcast_strides(p: torch.Tensor, x_shape: torch.Size) -> tuple[int, int, int] | None:
     """(stride_b, stride_s, stride_d) of `p` broadcast to `x_shape` (rank 2 or 3),
     or None when `p` does not broadcast to exactly that shape."""
