@@ -2,10 +2,11 @@
 
 On CPU every site falls back to its eager expression, so bitwise equality between
 the accelerated and the stock model (built from the same seed) checks that
-bitfuse's copies of the block forward, GLUMBConv and the head compute exactly what
-diffusers computes, with every adaLN site and both convolution epilogues routed
-through bitfuse (counted below). One test runs the real kernels through the gate in
-Triton's interpreter."""
+bitfuse's copies of the block forward and the head compute exactly what diffusers
+computes, with every adaLN site routed through bitfuse (counted below) and GLUMBConv
+left as diffusers runs it (its convolution epilogues are not routed: see
+bitfuse/models/sana.py). One test runs the real kernels through the gate in Triton's
+interpreter."""
 
 from __future__ import annotations
 
@@ -212,8 +213,8 @@ def _recording_sites(monkeypatch):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_site_is_routed(monkeypatch, variant):
     """Per block: 2 norm + modulate sites (before self-attention and the FF), 2 gated
-    residuals, the two convolution epilogues of GLUMBConv (with its own modules); the head:
-    1 norm + modulate site. Nothing else."""
+    residuals; the head: 1 norm + modulate site. Nothing else: no convolution epilogue
+    site (GLUMBConv runs stock)."""
     model = _model(variant)
     kw = _inputs(model, 2, text_lengths=[7, 5])
     ref = _run(model, kw)
@@ -225,69 +226,101 @@ def test_every_site_is_routed(monkeypatch, variant):
     counts = {}
     for r in records:
         counts[r["site"]] = counts.get(r["site"], 0) + 1
-    assert counts == {"layer_norm_modulate_site": 2 * n + 1, "gated_residual_site": 2 * n,
-                      "conv_bias_silu_site": n, "conv_bias_glu_site": n}
+    assert counts == {"layer_norm_modulate_site": 2 * n + 1, "gated_residual_site": 2 * n}
     names = {r["name"] for r in records if r["site"] == "layer_norm_modulate_site"}
     assert names == {"norm_out"} | {f"transformer_blocks.{i}" for i in range(n)}
-    ffs = [b.ff for b in model.transformer_blocks]
-    assert [r["modules"] for r in records if r["site"] == "conv_bias_silu_site"] == [
-        (ff.conv_inverted, ff.nonlinearity) for ff in ffs]
-    assert [r["modules"] for r in records if r["site"] == "conv_bias_glu_site"] == [
-        (ff.conv_depth, ff.nonlinearity) for ff in ffs]
     _assert_same(out, ref)
+
+
+def _ff_layouts(model, kw) -> list:
+    """(shape, strides) of the input of each GLUMBConv and of its depthwise convolution,
+    in call order, over one forward."""
+    seen = []
+    hooks = [m.register_forward_pre_hook(lambda m, args: seen.append((tuple(args[0].shape), args[0].stride())))
+             for b in model.transformer_blocks for m in (b.ff, b.ff.conv_depth)]
+    try:
+        _run(model, kw)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
 
 
 def test_parameters_and_the_ff_layout_reach_the_sites_as_eager_builds_them(monkeypatch):
     """Every scale/shift/gate is a [B, 1, D] view of the [B, 6, D] (head: [B, 2, D]) sum,
-    read in place; the FF's input is the modulated tokens viewed as channels-last NCHW
-    (no copy), and the depthwise convolution's input keeps that layout."""
+    read in place; the (stock) FF's input is the norm2 site's modulated tokens viewed as
+    channels-last NCHW (no copy), as in eager, and the depthwise convolution's input keeps
+    that layout (cuDNN sees what it sees in eager)."""
     model = _model("1.0")
     B, D = 2, model.config.num_attention_heads * model.config.attention_head_dim
     kw = _inputs(model, B)
     h, w = kw["hidden_states"].shape[2:]
+    stock_layouts = _ff_layouts(model, kw)
     with _recording_sites(monkeypatch) as records, bitfuse.accelerate(model):
-        _run(model, kw)
+        layouts = _ff_layouts(model, kw)
     view = ((B, 1, D), True, False)
     assert {p for r in records if r["site"] != "gated_residual_site" for p in r["params"]} == {view}
     assert {p for r in records if r["site"] == "gated_residual_site" for p in r["params"]} == {view}
-    cl = (h * w * D, 1, w * D, D)
-    assert {(r["x"], r["x_stride"]) for r in records if r["site"] == "conv_bias_silu_site"} == {((B, D, h, w), cl)}
     C = model.transformer_blocks[0].ff.conv_depth.in_channels
-    assert {(r["x"], r["x_stride"]) for r in records if r["site"] == "conv_bias_glu_site"} == {
-        ((B, C, h, w), (h * w * C, 1, w * C, C))}
+    per_block = [((B, D, h, w), (h * w * D, 1, w * D, D)), ((B, C, h, w), (h * w * C, 1, w * C, C))]
+    assert layouts == stock_layouts == per_block * len(model.transformer_blocks)
 
 
-def test_an_overridden_glumbconv_keeps_its_forward():
-    """A GLUMBConv subclass overriding forward keeps it (and stays stock's bits)."""
+def test_glumbconv_runs_its_stock_forward_after_accelerate(monkeypatch):
+    """The convolution epilogues are not routed: accelerate installs no GLUMBConv forward
+    (nothing in any FF's __dict__, no GLUMBConv copy pinned), and every block's FF calls
+    the class's stock forward; a subclass overriding forward keeps its own, stock's bits."""
     from diffusers.models.transformers.sana_transformer import GLUMBConv
+
+    assert not any(k.startswith("GLUMBConv") for k in (*sana.VERIFIED_SOURCES, *sana.COPIES,
+                                                       *sana.stock_functions()))
+    assert GLUMBConv not in sana.FORWARDS
+    calls = []
+    stock = GLUMBConv.forward
+
+    def counted(self, hidden_states):
+        calls.append(self)
+        return stock(self, hidden_states)
+
+    monkeypatch.setattr(GLUMBConv, "forward", counted)
+    model = _model("1.0")
+    kw = _inputs(model, 2)
+    ref = _run(model, kw)
+    ffs = [b.ff for b in model.transformer_blocks]
+    assert calls == ffs
+    calls.clear()
+    with bitfuse.accelerate(model):
+        assert not any("forward" in ff.__dict__ for ff in ffs)
+        assert all(ff.forward.__func__ is counted for ff in ffs)
+        out = _run(model, kw)
+    assert calls == ffs
+    _assert_same(out, ref)
 
     class Scaled(GLUMBConv):
         def forward(self, hidden_states):
             return super().forward(hidden_states) * 0.5
 
-    model = _model("1.0")
     model.transformer_blocks[1].ff.__class__ = Scaled
-    plain = _model("1.0")
-    kw = _inputs(model, 2)
-    assert not same_bits(_run(model, kw)[0], _run(plain, kw)[0])  # the override matters
+    assert not same_bits(_run(model, kw)[0], ref[0])  # the override matters
     with bitfuse.accelerate(model):
         assert "forward" not in model.transformer_blocks[1].ff.__dict__
-        assert "forward" in model.transformer_blocks[0].ff.__dict__
     _check_identity(model, [kw])
 
 
-def test_sites_change_the_output_when_they_change():
-    """A control for the identity tests: perturb one site and the output moves."""
+def test_sites_change_the_output_when_they_change(monkeypatch):
+    """A control for the identity tests: perturb a routed site and the output moves;
+    perturb the (unrouted) convolution epilogue sites and it does not."""
     model = _model("1.0")
     kw = _inputs(model, 2)
     ref = _run(model, kw)
-    real = sites.conv_bias_glu_site
+    real = {name: getattr(sites, name) for name in ("gated_residual_site", "conv_bias_silu_site",
+                                                    "conv_bias_glu_site")}
     with bitfuse.accelerate(model):
-        try:
-            sites.conv_bias_glu_site = lambda conv, act, x: real(conv, act, x) * 1.5
-            out = _run(model, kw)
-        finally:
-            sites.conv_bias_glu_site = real
+        monkeypatch.setattr(sites, "conv_bias_silu_site", lambda *a: real["conv_bias_silu_site"](*a) * 1.5)
+        monkeypatch.setattr(sites, "conv_bias_glu_site", lambda *a: real["conv_bias_glu_site"](*a) * 1.5)
+        _assert_same(_run(model, kw), ref)
+        monkeypatch.setattr(sites, "gated_residual_site", lambda *a: real["gated_residual_site"](*a) * 1.5)
+        out = _run(model, kw)
     assert not same_bits(out[0], ref[0])
 
 
@@ -331,8 +364,8 @@ def test_quality_high_is_all_or_nothing():
 
 def test_compile_traces_the_plain_expressions():
     """Under torch.compile the sites emit diffusers' expressions: the traced graphs hold
-    aten's layer_norm, both convolutions of each FF with their bias, and no bitfuse op;
-    the compiled accelerated model equals stock."""
+    aten's layer_norm, the (stock) FF's three convolutions, and no bitfuse op; the
+    compiled accelerated model equals stock."""
     torch._dynamo.reset()
     model = _model("1.0", torch.bfloat16)
     kw = _inputs(model, 2, text_lengths=[3, 7])
@@ -395,7 +428,7 @@ def test_restore_is_complete_and_idempotent():
     model = _model("1.0")
     handle = bitfuse.accelerate(model)
     assert model.transformer_blocks[0].forward.__func__ is sana._block_forward
-    assert model.transformer_blocks[0].ff.forward.__func__ is sana._glumbconv_forward
+    assert "forward" not in model.transformer_blocks[0].ff.__dict__
     assert model.norm_out.forward.__func__ is sana._modulated_norm_forward
     handle.restore()
     handle.restore()
@@ -404,8 +437,8 @@ def test_restore_is_complete_and_idempotent():
 
 def test_refuses_a_changed_diffusers_source(monkeypatch):
     model = _model("1.0")
-    monkeypatch.setitem(sana.VERIFIED_SOURCES, "GLUMBConv.forward", "0" * 64)
-    with pytest.raises(UnsupportedVersionError, match=r"GLUMBConv\.forward differs"):
+    monkeypatch.setitem(sana.VERIFIED_SOURCES, "SanaModulatedNorm.forward", "0" * 64)
+    with pytest.raises(UnsupportedVersionError, match=r"SanaModulatedNorm\.forward differs"):
         bitfuse.accelerate(model)
     assert _is_stock(model)
     with pytest.warns(UserWarning, match="differs"):
@@ -426,9 +459,9 @@ def test_installed_diffusers_is_the_verified_one():
                     reason="needs triton's interpreter (CPU runs)")
 def test_the_kernels_run_through_the_gate(monkeypatch):
     """fp32 under Triton's interpreter: the gated residual kernel is verified bitwise on
-    Sana's strided [B, 1, D] gates, and the GLU epilogue site plans and is judged at first
-    sight; whatever a verdict (the LayerNorm kernel reproduces CUDA's reduction order, the
-    interpreter's SiLU is numpy's), the output keeps stock's bits."""
+    Sana's strided [B, 1, D] gates; whatever a verdict (the LayerNorm kernel reproduces
+    CUDA's reduction order), the output keeps stock's bits; no convolution epilogue is
+    judged (GLUMBConv runs stock)."""
     model = _model("1.0")
     kw = _inputs(model, 2, 3, text_lengths=[2, 3])
     ref = _run(model, kw)
@@ -439,4 +472,5 @@ def test_the_kernels_run_through_the_gate(monkeypatch):
     verdicts = policy.verdicts()
     assert {v.signature.rsplit(" ", 1)[1] for v in verdicts if v.op == "gated_residual" and v.active} == {
         "per-sample/strided"}, [v.signature for v in verdicts]
-    assert any(v.op == "conv_bias_glu" for v in verdicts), [v.signature for v in verdicts]
+    assert any(v.op == "layer_norm_modulate" for v in verdicts), [v.signature for v in verdicts]
+    assert not any(v.op.startswith("conv_") for v in verdicts), [v.signature for v in verdicts]

@@ -1,6 +1,13 @@
-"""Sana on the GPU: the convolution epilogues bitwise eager's on every kind of data, and
-the full-width model with bitfuse lossless bitwise diffusers' output, every fast path
-verified; bitfuse high keeps its contract.
+"""Sana on the GPU: the convolution epilogues bitwise eager's on every kind of data (op
+and site level), and the full-width model with bitfuse lossless bitwise diffusers'
+output, every fast path verified; bitfuse high keeps its contract.
+
+The model integration routes the adaLN sites only (block norm1/norm2 + modulate, the
+gated residuals, the head's SanaModulatedNorm): GLUMBConv runs stock, its epilogues are
+not routed (see bitfuse/models/sana.py for the measurement why), so the model tests
+cover adaLN-only routing and assert that no convolution epilogue is judged. The op and
+site level tests below stay: they are what a GPU run must pass before the epilogues
+are routed again.
 
 Op tests need no diffusers: the epilogue kernels (bias + SiLU, bias + gated SiLU) on
 random, outlier, zero, subnormal, NaN/inf, large and tiny data, odd sizes,
@@ -160,7 +167,13 @@ def test_the_bias_split_itself():
 
 def test_conv_sites_verify_on_glumbconv():
     """GLUMBConv's modules through the sites: verified at first sight, then the fast path;
-    the outputs are the stock module calls' bits."""
+    the outputs are the stock module calls' bits.
+
+    The reproducer of the bug that took the epilogues out of the Sana integration: it
+    failed on 2026-12-01, before the `policy._poisoned` fix (the silu site's output equal
+    to eager's in bits, the GLU site's then differing: the first-sight output was
+    contiguous where eager's is channels-last, sending the depthwise convolution to
+    another aten backend). It should pass after the fix."""
     diffusers = pytest.importorskip("diffusers")  # noqa: F841
     from diffusers.models.transformers.sana_transformer import GLUMBConv
 
@@ -221,8 +234,9 @@ def _check_lossless(model, calls):
     print(f"\nverdicts: {_verdicts()}")
     bad = [v for v in policy.verdicts() if not v.active]
     assert not bad, "; ".join(f"{v.signature}: {v.status} {v.detail}" for v in bad)
-    assert {v.op for v in policy.verdicts()} >= {"layer_norm_modulate", "gated_residual", "conv_bias_silu",
-                                                 "conv_bias_glu"}
+    ops = {v.op for v in policy.verdicts()}
+    assert ops >= {"layer_norm_modulate", "gated_residual"}, _verdicts()
+    assert not any(op.startswith("conv_") for op in ops), _verdicts()  # GLUMBConv runs stock
     for kw, ref in zip(calls, refs):
         assert same_bits(_run(model, kw)[0], ref)  # restored
 
