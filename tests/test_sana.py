@@ -319,7 +319,7 @@ def test_sites_change_the_output_when_they_change(monkeypatch):
         monkeypatch.setattr(sites, "conv_bias_silu_site", lambda *a: real["conv_bias_silu_site"](*a) * 1.5)
         monkeypatch.setattr(sites, "conv_bias_glu_site", lambda *a: real["conv_bias_glu_site"](*a) * 1.5)
         _assert_same(_run(model, kw), ref)
-        monkeypatch.setattr(sites, "gated_residual_site", lambda *a: real["gated_residual_site"](*a) * 1.5)
+        monkeypatch.setattr(sites, "gated_residual_site", lambda *a, **k: real["gated_residual_site"](*a, **k) * 1.5)
         out = _run(model, kw)
     assert not same_bits(out[0], ref[0])
 

@@ -310,3 +310,30 @@ def test_bad_input_gets_eager_result_or_eager_error(case):
             assert got_exc is None, got_exc
             assert policy.same_bits(got, want)
     assert bitfuse.verdicts() == []  # nothing on the CPU reaches the gate
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs triton's interpreter (CPU runs)")
+def test_keep_layout_sends_a_permuted_x_to_eager(monkeypatch):
+    """Eager's `x + y * gate` is laid out as x; the kernel writes row-major. Where a
+    GEMM reads the result next (Sana's first block: x is the patch embedding's
+    transposed view, the cross-attention's to_q reads the residual), keep_layout=True
+    sends a permuted x to eager; otherwise, and for a row-major x, the kernel runs."""
+    from bitfuse.ops import _params
+
+    monkeypatch.setattr(_params, "INTERPRET_ON_CPU", True)
+    policy.reset_verdicts()
+    B, S, D = 2, 5, 8
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(B, D, S, generator=g).transpose(1, 2)  # [B, S, D], permuted
+    y = torch.randn(B, S, D, generator=g)
+    gate = torch.randn(B, 6, D, generator=g).chunk(6, dim=1)[2]
+    eager = x + y * gate
+    assert _params.permuted(x) and eager.stride() == x.stride() != y.stride()
+    kept = sites.gated_residual_site(x, y, gate, keep_layout=True)
+    assert same_bits(kept, eager) and kept.stride() == eager.stride() and policy.verdicts() == []
+    first = sites.gated_residual_site(x, y, gate)  # first sight hands on eager's own result where layouts differ
+    assert same_bits(first, eager) and first.stride() == eager.stride()
+    fast = sites.gated_residual_site(x, y, gate)
+    assert same_bits(fast, eager) and fast.is_contiguous() and [v.status for v in policy.verdicts()] == ["verified"]
+    row_major = sites.gated_residual_site(y, x, gate, keep_layout=True)  # y's layout does not decide eager's
+    assert same_bits(row_major, y + x * gate) and row_major.is_contiguous()

@@ -34,11 +34,14 @@ Why the convolution epilogues are not routed: with GLUMBConv's two epilogues rou
 (`sites.conv_bias_silu_site`, `sites.conv_bias_glu_site`), the full Sana 1.6B (20
 layers, B=2, 1024 x 1024) in lossless differed from stock diffusers on the H200 in
 44,572 of 65,536 output elements, in every steady-state round, while every gate
-verdict said "verified". One mechanism was found and fixed (first-sight outputs were
-contiguous where eager's are channels-last, sending the next depthwise convolution to
-another aten backend; `policy._poisoned` now takes the reference's strides), but the
-steady-state difference is unexplained, and a silently different tensor is the one
-thing bitfuse must never produce. So the model integration leaves GLUMBConv stock
+verdict said "verified". Two layout mechanisms were found by reading, both now fixed:
+first-sight outputs were row-major where eager's are channels-last (sending the next
+depthwise convolution to another aten backend; the gate now hands on eager's own
+result where the layouts differ), and the first block's gated residual wrote
+row-major where eager's result keeps the layout of x, the patch embedding's
+transposed view, which the cross-attention's `to_q` GEMM then reads (that residual
+now passes `keep_layout=True`: a permuted x takes eager). Neither was confirmed on a GPU this session, and a
+silently different tensor is the one thing bitfuse must never produce. So the model integration leaves GLUMBConv stock
 until a GPU run of the full model proves the routing (the routed copy of
 `GLUMBConv.forward` is in this file's git history). `ops.conv_epilogue` and the two
 sites stay available as gated op-level functions (their op-level GPU tests passed:
@@ -110,7 +113,8 @@ def _block_forward(
 
     attn_output = self.attn1(norm_hidden_states)
     # diffusers: hidden_states = hidden_states + gate_msa * attn_output
-    hidden_states = sites.gated_residual_site(hidden_states, attn_output, gate_msa)
+    # bitfuse: keep_layout: the cross-attention's to_q reads this result straight into a GEMM
+    hidden_states = sites.gated_residual_site(hidden_states, attn_output, gate_msa, keep_layout=True)
 
     # 3. Cross Attention
     if self.attn2 is not None:

@@ -52,8 +52,10 @@ def permuted(t: torch.Tensor) -> bool:
     """Whether `t`'s dimensions of size > 1, taken left to right, do not have
     non-increasing strides (a transposed or permuted view). Eager's pointwise result
     then takes `t`'s layout (TensorIterator lays its output out as its first operand),
-    where the row kernels write row-major: the same values in another layout, which a
-    layout-sensitive consumer downstream (a GEMM, a convolution) turns into other bits."""
+    where the row kernels write row-major: the same values in another layout. That is
+    harmless where a norm or another pointwise op reads the result next, and changes
+    the bits where a GEMM or a convolution reads it (they pick their algorithm by
+    layout): `sites.gated_residual_site(..., keep_layout=True)`."""
     last = None
     for size, stride in zip(t.shape, t.stride()):
         if size == 1:
