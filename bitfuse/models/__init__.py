@@ -3,8 +3,8 @@
 Supported (diffusers 0.42.x): `LTX2VideoTransformer3DModel` (`models.ltx2`),
 `FluxTransformer2DModel` (`models.flux`), `Flux2Transformer2DModel`
 (`models.flux2`), `QwenImageTransformer2DModel` (`models.qwenimage`),
-`WanTransformer3DModel` (`models.wan`), and any
-other diffusers model through the shared adaLN modules it holds
+`WanTransformer3DModel` (`models.wan`), `SanaTransformer2DModel`
+(`models.sana`: its adaLN sites only), and any other diffusers model through the shared adaLN modules it holds
 (`AdaLayerNormZero`, `AdaLayerNormZeroSingle`, `AdaLayerNormContinuous`,
 `SD35AdaLayerNormZeroX`: `models.adaln`; a model with none is refused). A
 diffusers pipeline is accepted too: its `.transformer`
