@@ -55,6 +55,12 @@ convolution is left to eager (nothing to fuse). In Sana every convolution input
 is a channels-last view (the FF permutes [B, H*W, C] tokens to NCHW without
 copying), so both convolutions take cuDNN and both biases are split.
 
+Not routed by any model integration: `models.sana` leaves GLUMBConv stock (with
+these epilogues routed, the full Sana model differed from stock on the H200 while
+the op-level GPU tests passed; bitfuse/models/sana.py and bench/NOTES.md say why).
+The ops and `sites.conv_bias_silu_site` / `sites.conv_bias_glu_site` stay available,
+gated, for op-level use and tests.
+
 EAGER'S SILU (aten/src/ATen/native/cuda/ActivationSiluKernel.cu):
 `x_acc / (opmath_t(1) + exp(-x_acc))` in fp32, built without fast math: `expf`
 (libdevice's `__nv_expf`, about 2 ULP) and IEEE division (`div.rn.f32`). Triton's
@@ -327,14 +333,16 @@ def _plan_epilogue(y, bias, glu: bool):
 
 
 def plan_bias_silu(y, bias, tier: str = "lossless"):
-    """The guard: a plan for the kernel, or the reason the call takes the reference."""
+    """The guard of `bias_silu` (y [B, C, H, W], bias [C], one dtype): a plan for the
+    kernel, or the reason the call takes the reference."""
     if bias is None:
         return "no bias: a SiLU alone is eager's one kernel"
     return _plan_epilogue(y, bias, False)
 
 
 def plan_bias_glu(y, bias, tier: str = "lossless"):
-    """The guard: a plan for the kernel, or the reason the call takes the reference."""
+    """The guard of `bias_glu` (y [B, 2C, H, W], bias [2C] or None, one dtype): a plan for
+    the kernel, or the reason the call takes the reference."""
     return _plan_epilogue(y, bias, True)
 
 
@@ -361,7 +369,8 @@ def bias_glu_reference(y, bias) -> torch.Tensor:
 
 def bias_silu(y, bias) -> torch.Tensor:
     """`silu(y + bias[:, None, None])`, guarded but ungated: the kernel where eligible,
-    else the eager reference. y: [B, C, H, W]; bias: [C]."""
+    else the eager reference. y: [B, C, H, W]; bias: [C]; one dtype (bf16, fp16, fp32).
+    Returns [B, C, H, W] with eager's strides."""
     plan = plan_bias_silu(y, bias)
     return bias_silu_reference(y, bias) if plan.__class__ is str else launch_epilogue(plan)
 
