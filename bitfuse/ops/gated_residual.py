@@ -229,7 +229,9 @@ def gated_residual(x, y, gate) -> torch.Tensor:
 
 
 def gated_residual_f32(x, y, gate) -> torch.Tensor:
-    """`(x.float() + y * gate).type_as(x)` (Wan), guarded but ungated."""
+    """`(x.float() + y * gate).type_as(x)` (Wan), guarded but ungated. x, y: [B, S, D] or
+    [N, D] of one dtype (bf16, fp16 or fp32); gate: fp32 broadcasting to x, or Folded
+    (`table + temb.float()`). Returns a tensor of x's shape and dtype, row-major."""
     plan = plan_gated_residual_f32(x, y, gate)
     if plan.__class__ is str:
         return gated_residual_f32_reference(x, y, gate)

@@ -534,7 +534,9 @@ def plan_layer_norm_modulate_f32(x, scale, shift, eps, tier: str = "lossless"):
 
 
 def layer_norm_modulate_f32(x, scale, shift, eps: float) -> torch.Tensor:
-    """`(layer_norm(x.float()) * (1 + scale) + shift).type_as(x)`, guarded but ungated."""
+    """`(layer_norm(x.float()) * (1 + scale) + shift).type_as(x)`, guarded but ungated.
+    x: [B, S, D] or [N, D] (bf16, fp16 or fp32), last dimension contiguous; scale, shift:
+    fp32 broadcasting to x, or Folded (`table + temb.float()`). Returns x's shape and dtype."""
     plan = plan_layer_norm_modulate_f32(x, scale, shift, eps)
     if plan.__class__ is str:
         return layer_norm_modulate_f32_reference(x, scale, shift, eps)
@@ -608,7 +610,9 @@ def plan_layer_norm_f32(x, weight, bias, eps, tier: str = "lossless"):
 
 
 def layer_norm_f32(x, weight, bias, eps: float) -> torch.Tensor:
-    """`F.layer_norm(x.float(), (D,), weight.float(), bias.float(), eps).type_as(x)`, guarded but ungated."""
+    """`F.layer_norm(x.float(), (D,), weight.float(), bias.float(), eps).type_as(x)`, guarded but
+    ungated. x: [B, S, D] or [N, D] (bf16, fp16 or fp32), last dimension contiguous;
+    weight, bias: [D] (bf16, fp16 or fp32). Returns x's shape and dtype."""
     plan = plan_layer_norm_f32(x, weight, bias, eps)
     if plan.__class__ is str:
         return layer_norm_f32_reference(x, weight, bias, eps)
