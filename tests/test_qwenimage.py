@@ -37,9 +37,10 @@ from bitfuse.models.qwenimage_configs import (  # noqa: E402
     make_inputs,
     tiny_config,
 )
-from bitfuse.numerics import differing, same_bits  # noqa: E402
+from bitfuse.numerics import same_bits  # noqa: E402
 from bitfuse.ops import _params  # noqa: E402
 from bitfuse.ops._launch import HAS_TRITON  # noqa: E402
+from model_checks import assert_same, check_identity, is_stock, run  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 H, W = 64, 48  # 4 x 3 image tokens
@@ -76,41 +77,8 @@ def _cases(model) -> list[dict]:
     ]
 
 
-def _run(model, kw):
-    with torch.no_grad():
-        return model(**kw)
-
-
-def _assert_same(out, ref):
-    assert isinstance(out, tuple) and len(out) == len(ref) == 1
-    o, r = out[0], ref[0]
-    assert not r.isnan().any(), "the stock output has NaNs: the comparison would mean nothing"
-    assert same_bits(o, r), f"{differing(o, r)} of {r.numel()} elements differ"
-
-
 def _processors(model) -> list:
     return [m.processor for m in model.modules() if hasattr(m, "processor")]
-
-
-def _is_stock(model) -> bool:
-    return (all("forward" not in m.__dict__ for m in model.modules()) and not sites.sites_of(model)
-            and "_bitfuse_handle" not in model.__dict__
-            and not any(type(p).__module__.startswith("bitfuse.") for p in _processors(model)))
-
-
-def _check_identity(model, kwargs_list, **accelerate_options):
-    """stock, then accelerated (the same bits), then restored (the same bits again)."""
-    refs = [_run(model, kw) for kw in kwargs_list]
-    handle = bitfuse.accelerate(model, **accelerate_options)
-    try:
-        assert not _is_stock(model)
-        for kw, ref in zip(kwargs_list, refs):
-            _assert_same(_run(model, kw), ref)
-    finally:
-        handle.restore()
-    assert _is_stock(model)
-    for kw, ref in zip(kwargs_list, refs):
-        _assert_same(_run(model, kw), ref)
 
 
 # ---------------------------------------------------------------- identity
@@ -120,18 +88,18 @@ def _check_identity(model, kwargs_list, **accelerate_options):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_identity(variant, dtype):
     model = _model(variant, DTYPES[dtype])
-    _check_identity(model, _cases(model))
+    check_identity(model, _cases(model))
 
 
 def test_identity_high_tier_and_return_dict():
     """On CPU the high tier's kernels fall back too: the same bits as stock."""
     model = _model("edit-2511", torch.bfloat16)
-    _check_identity(model, _cases(model), quality="high")
+    check_identity(model, _cases(model), quality="high")
     kw = dict(_inputs(model, condition_images=CONDITION), return_dict=True)
-    ref = _run(model, kw)
+    ref = run(model, kw)
     with bitfuse.accelerate(model):
-        out = _run(model, kw)
-    _assert_same((out.sample,), (ref.sample,))
+        out = run(model, kw)
+    assert_same((out.sample,), (ref.sample,))
 
 
 def test_identity_layered_flags():
@@ -140,7 +108,7 @@ def test_identity_layered_flags():
     model = _model("image", torch.bfloat16, use_additional_t_cond=True, use_layer3d_rope=True)
     kw = _inputs(model, 1, condition_images=[(H, W), (H, W), (32, 32)], seed=6)
     assert "additional_t_cond" in kw
-    _check_identity(model, [kw])
+    check_identity(model, [kw])
 
 
 def test_make_inputs_as_the_pipeline_passes_them():
@@ -212,11 +180,11 @@ def test_every_adaln_site_is_routed(monkeypatch, variant):
     modulate and the RMSNorm sites have no place in Qwen-Image."""
     model = _model(variant)
     kw = _inputs(model, 2, condition_images=CONDITION, text_lengths=[7, 5])
-    ref = _run(model, kw)
+    ref = run(model, kw)
     with _recording_sites(monkeypatch) as records:
-        assert _run(model, kw) is not None and records == []  # stock: no site calls
+        assert run(model, kw) is not None and records == []  # stock: no site calls
         with bitfuse.accelerate(model):
-            out = _run(model, kw)
+            out = run(model, kw)
     n = len(model.transformer_blocks)
     counts = {}
     for r in records:
@@ -224,7 +192,7 @@ def test_every_adaln_site_is_routed(monkeypatch, variant):
     assert counts == {"layer_norm_modulate_site": 4 * n + 1, "gated_residual_site": 4 * n}
     names = {r["name"] for r in records if r["site"] == "layer_norm_modulate_site"}
     assert names == {"norm_out"} | {f"transformer_blocks.{i}" for i in range(n)}
-    _assert_same(out, ref)
+    assert_same(out, ref)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -238,7 +206,7 @@ def test_parameters_reach_the_sites_as_eager_builds_them(monkeypatch, variant):
     kw = _inputs(model, B, condition_images=CONDITION)
     S_img, S_txt = kw["hidden_states"].shape[1], kw["encoder_hidden_states"].shape[1]
     with _recording_sites(monkeypatch) as records, bitfuse.accelerate(model):
-        _run(model, kw)
+        run(model, kw)
     view = ((B, 1, D), True, False)
     per_token = ((B, S_img, D), False, True)
     seen = {(r["x"][1], p) for r in records if r["name"] != "norm_out" for p in r["params"]}
@@ -284,20 +252,20 @@ def test_an_overridden_modulate_is_used():
     block._modulate = lambda x, mod_params, index=None: (x, stock._modulate(block, x, mod_params, index)[1])
     cases = [_inputs(model, 1, condition_images=CONDITION), _inputs(model, 2)]
     plain = _model("edit-2511")
-    assert not same_bits(_run(model, cases[0])[0], _run(plain, cases[0])[0])  # the override matters
-    _check_identity(model, cases)
+    assert not same_bits(run(model, cases[0])[0], run(plain, cases[0])[0])  # the override matters
+    check_identity(model, cases)
 
 
 def test_sites_change_the_output_when_they_change():
     """A control for the identity tests: perturb one site and the output moves."""
     model = _model("image")
     kw = _inputs(model, 2)
-    ref = _run(model, kw)
+    ref = run(model, kw)
     real = sites.gated_residual_site
     with bitfuse.accelerate(model):
         try:
             sites.gated_residual_site = lambda x, y, gate: real(x, y, gate * 1.5)
-            out = _run(model, kw)
+            out = run(model, kw)
         finally:
             sites.gated_residual_site = real
     assert not same_bits(out[0], ref[0])
@@ -341,10 +309,10 @@ def test_processors_route_the_qk_norms_and_rope_and_come_back(monkeypatch, varia
     same object, of its stock class, with its backend setting."""
     model = _random_qk_weights(_model(variant, torch.bfloat16))
     cases = _cases(model)
-    refs = [_run(model, kw) for kw in cases]
+    refs = [run(model, kw) for kw in cases]
     mine = type("Mine", (QwenDoubleStreamAttnProcessor2_0,), {})()
     model.transformer_blocks[1].attn.set_processor(mine)
-    assert all(same_bits(_run(model, kw)[0], ref[0]) for kw, ref in zip(cases, refs))  # Mine computes stock's
+    assert all(same_bits(run(model, kw)[0], ref[0]) for kw, ref in zip(cases, refs))  # Mine computes stock's
     processors = {id(m): m.processor for m in model.modules() if hasattr(m, "processor")}
     for p in processors.values():
         p._attention_backend = "native"
@@ -352,7 +320,7 @@ def test_processors_route_the_qk_norms_and_rope_and_come_back(monkeypatch, varia
         assert [type(p).__name__ for p in _processors(model)] == ["_AttnProcessor", "Mine"]
         assert isinstance(_processors(model)[0], QwenDoubleStreamAttnProcessor2_0)
         for kw, ref in zip(cases, refs):
-            _assert_same(_run(model, kw), ref)
+            assert_same(run(model, kw), ref)
     assert len(calls) == len(cases)  # block 0 once per forward; block 1 (Mine) never
     attn = model.transformer_blocks[0].attn
     H, Dh = attn.heads, attn.inner_dim // attn.heads
@@ -364,7 +332,7 @@ def test_processors_route_the_qk_norms_and_rope_and_come_back(monkeypatch, varia
         assert [tuple(t.shape) for t in (q_t, k_t, q_i, k_i)] == [(B, S_txt, H, Dh)] * 2 + [(B, S_img, H, Dh)] * 2
         assert rope == "complex" and [tuple(f.shape) for f in freqs] == [(S_txt, Dh // 2), (S_img, Dh // 2)]
         assert all(f.dtype is torch.complex64 for f in freqs)
-    assert _is_stock(model)
+    assert is_stock(model)
     assert all(m.processor is processors[id(m)] and m.processor._attention_backend == "native"
                for m in model.modules() if hasattr(m, "processor"))
     assert type(model.transformer_blocks[0].attn.processor) is QwenDoubleStreamAttnProcessor2_0
@@ -424,7 +392,7 @@ def test_missing_qk_norms_keep_stock_output():
     model = _random_qk_weights(_model("edit-2511", torch.bfloat16))
     model.transformer_blocks[0].attn.norm_q = None
     model.transformer_blocks[1].attn.norm_added_k = None
-    _check_identity(model, _cases(model)[2:4])
+    check_identity(model, _cases(model)[2:4])
 
 
 def test_the_qk_site_changes_the_output_when_it_changes(monkeypatch):
@@ -432,12 +400,12 @@ def test_the_qk_site_changes_the_output_when_it_changes(monkeypatch):
     site (perturb it and the output moves)."""
     model = _random_qk_weights(_model("image"))
     kw = _inputs(model, 2)
-    ref = _run(model, kw)
+    ref = run(model, kw)
     real = sites.joint_qk_norm_rope_site
     monkeypatch.setattr(sites, "joint_qk_norm_rope_site",
                         lambda sources, freqs, rope: tuple(t * 1.5 for t in real(sources, freqs, rope)))
     with bitfuse.accelerate(model):
-        out = _run(model, kw)
+        out = run(model, kw)
     assert not same_bits(out[0], ref[0])
 
 
@@ -447,23 +415,23 @@ def test_the_qk_site_changes_the_output_when_it_changes(monkeypatch):
 def test_quality_high_mounts_on_every_site_and_a_request_overrides_it(monkeypatch):
     model = _model("edit-2511", torch.bfloat16)
     kw = _inputs(model, 2, condition_images=CONDITION)
-    ref = _run(model, kw)
+    ref = run(model, kw)
     handle = bitfuse.accelerate(model, quality="high")
     try:
         marked = sites.sites_of(model)
         assert len(marked) == len(model.transformer_blocks) + 1 and all(s.tier == "high" for s in marked)
         with _recording_sites(monkeypatch) as records:
-            out = _run(model, kw)
+            out = run(model, kw)
             n = len(records)
             with bitfuse.quality("lossless"):
-                out_lossless = _run(model, kw)
+                out_lossless = run(model, kw)
         tiers = [{r["tier"] for r in part if r["name"]} for part in (records[:n], records[n:])]
         assert n > 0 and tiers == [{"high"}, {"lossless"}]
-        _assert_same(out, ref)
-        _assert_same(out_lossless, ref)
+        assert_same(out, ref)
+        assert_same(out_lossless, ref)
     finally:
         handle.restore()
-    assert _is_stock(model)
+    assert is_stock(model)
 
 
 def test_quality_high_is_all_or_nothing():
@@ -476,8 +444,8 @@ def test_quality_high_is_all_or_nothing():
         block.txt_norm2.weight.normal_()
     with pytest.raises(bitfuse.MountError, match="transformer_blocks.1"):
         bitfuse.accelerate(model, quality="high")
-    assert _is_stock(model)
-    _check_identity(model, [_inputs(model, 2)])
+    assert is_stock(model)
+    check_identity(model, [_inputs(model, 2)])
 
 
 # ---------------------------------------------------------------- torch.compile
@@ -489,7 +457,7 @@ def test_compile_traces_the_plain_expressions():
     torch._dynamo.reset()
     model = _model("edit-2511", torch.bfloat16)
     kw = _inputs(model, 1, condition_images=CONDITION)
-    ref = _run(model, kw)
+    ref = run(model, kw)
     graphs = []
 
     def backend(gm, example_inputs):
@@ -498,7 +466,7 @@ def test_compile_traces_the_plain_expressions():
 
     try:
         with bitfuse.accelerate(model):
-            _assert_same(_run(torch.compile(model, backend=backend), kw), ref)
+            assert_same(run(torch.compile(model, backend=backend), kw), ref)
         targets = [str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
         assert sum("layer_norm" in t for t in targets) == 4 * len(model.transformer_blocks) + 1
         assert not any("bitfuse" in t for t in targets)
@@ -511,11 +479,11 @@ def test_compile_repeated_blocks_fullgraph_equals_stock():
     torch._dynamo.reset()
     model = _model("edit-2511", torch.bfloat16)
     kw = _inputs(model, 2, condition_images=CONDITION, text_lengths=[7, 3])
-    ref = _run(model, kw)
+    ref = run(model, kw)
     try:
         with bitfuse.accelerate(model):
             model.compile_repeated_blocks(fullgraph=True, backend="eager")
-            _assert_same(_run(model, kw), ref)
+            assert_same(run(model, kw), ref)
             assert all(b._compiled_call_impl is not None for b in model.transformer_blocks)
     finally:
         for b in model.transformer_blocks:
@@ -533,13 +501,13 @@ def test_a_pipeline_is_accelerated_through_its_transformer():
     model = _model("image", torch.bfloat16)
     pipe = types.SimpleNamespace(transformer=model)
     cond, uncond = _inputs(model, 1, 9, seed=1), _inputs(model, 1, 3, seed=1)
-    refs = [_run(pipe.transformer, kw) for kw in (cond, uncond)]
+    refs = [run(pipe.transformer, kw) for kw in (cond, uncond)]
     with bitfuse.accelerate(pipe) as handle:
         assert handle.model is model and handle.pipeline is pipe and len(handle.sites) == 3
         for kw, ref in zip((cond, uncond), refs):
-            _assert_same(_run(pipe.transformer, kw), ref)
+            assert_same(run(pipe.transformer, kw), ref)
         assert bitfuse.accelerate(pipe) is handle
-    assert _is_stock(model)
+    assert is_stock(model)
 
 
 def test_restore_is_complete_and_idempotent():
@@ -550,7 +518,7 @@ def test_restore_is_complete_and_idempotent():
     assert model.norm_out.forward.__func__ is adaln.FORWARDS[type(model.norm_out)]
     handle.restore()
     handle.restore()
-    assert _is_stock(model) and not handle.active and model.norm_out.forward == stock_norm_out
+    assert is_stock(model) and not handle.active and model.norm_out.forward == stock_norm_out
 
 
 def test_refuses_a_changed_diffusers_source(monkeypatch):
@@ -558,7 +526,7 @@ def test_refuses_a_changed_diffusers_source(monkeypatch):
     monkeypatch.setitem(qwenimage.VERIFIED_SOURCES, "QwenImageTransformerBlock._modulate", "0" * 64)
     with pytest.raises(UnsupportedVersionError, match=r"QwenImageTransformerBlock\._modulate differs"):
         bitfuse.accelerate(model)
-    assert _is_stock(model)
+    assert is_stock(model)
     with pytest.warns(UserWarning, match="differs"):
         bitfuse.accelerate(model, force=True).restore()
 
@@ -574,17 +542,17 @@ def test_refuses_a_changed_attention_source_and_force_installs_it(monkeypatch, n
     monkeypatch.setitem(qwenimage.VERIFIED_SOURCES, name, "0" * 64)
     with pytest.raises(UnsupportedVersionError, match=re.escape(name) + " differs"):
         bitfuse.accelerate(model)
-    assert _is_stock(model)
-    refs = [_run(model, kw) for kw in cases]
+    assert is_stock(model)
+    refs = [run(model, kw) for kw in cases]
     with pytest.warns(UserWarning, match="differs"):
         handle = bitfuse.accelerate(model, force=True)
     try:
         assert all(type(p) is qwenimage.PROCESSORS[QwenDoubleStreamAttnProcessor2_0] for p in _processors(model))
         for kw, ref in zip(cases, refs):
-            _assert_same(_run(model, kw), ref)
+            assert_same(run(model, kw), ref)
     finally:
         handle.restore()
-    assert _is_stock(model)
+    assert is_stock(model)
 
 
 def test_installed_diffusers_is_the_verified_one():
@@ -607,11 +575,11 @@ def test_the_kernels_read_qwen_layouts_through_the_gate(monkeypatch):
     mismatch, which falls back to eager; the GPU tests judge it.)"""
     model = _model("edit-2511")
     kw = _inputs(model, 2, 3, condition_images=CONDITION)
-    ref = _run(model, kw)
+    ref = run(model, kw)
     monkeypatch.setattr(_params, "INTERPRET_ON_CPU", True)
     with bitfuse.accelerate(model), warnings.catch_warnings():
         warnings.simplefilter("ignore", policy.FallbackWarning)
-        _assert_same(_run(model, kw), ref)
+        assert_same(run(model, kw), ref)
     verified = {v.signature.rsplit(" ", 1)[1] for v in policy.verdicts() if v.op == "gated_residual" and v.active}
     assert verified == {"per-sample/strided", "per-token"}, [v.signature for v in policy.verdicts()]
 
@@ -629,13 +597,13 @@ def test_the_qk_kernel_runs_on_the_processors_operands(monkeypatch, variant):
     model = _random_qk_weights(_model(variant, attention_head_dim=32, num_attention_heads=2,
                                       axes_dims_rope=(8, 12, 12)))
     kw = _inputs(model, 2, 3, condition_images=CONDITION)
-    ref = _run(model, kw)
+    ref = run(model, kw)
     monkeypatch.setattr(_params, "INTERPRET_ON_CPU", True)
     with bitfuse.accelerate(model), warnings.catch_warnings():
         warnings.simplefilter("ignore", policy.FallbackWarning)
-        outs = [_run(model, kw) for _ in range(2)]
+        outs = [run(model, kw) for _ in range(2)]
     for out in outs:
-        _assert_same(out, ref)
+        assert_same(out, ref)
     qk = [v for v in policy.verdicts() if v.op == "qk_norm_rope"]
     assert qk and all(v.status in ("verified", "mismatch") for v in qk), [(v.signature, v.status, v.detail) for v in qk]
     assert all(" diffusers complex " in v.signature and "2 sources" in v.signature and " weight" in v.signature

@@ -33,9 +33,10 @@ from bitfuse.models.sana_configs import (
     make_inputs,
     tiny_config,
 )
-from bitfuse.numerics import differing, same_bits
+from bitfuse.numerics import same_bits
 from bitfuse.ops import _params
 from bitfuse.ops._launch import HAS_TRITON
+from model_checks import assert_same, check_identity, is_stock, run
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 H, W = 96, 64  # 3 x 2 latent tokens
@@ -68,38 +69,6 @@ def _cases(model) -> list[dict]:
     ]
 
 
-def _run(model, kw):
-    with torch.no_grad():
-        return model(**kw)
-
-
-def _assert_same(out, ref):
-    assert isinstance(out, tuple) and len(out) == len(ref) == 1
-    o, r = out[0], ref[0]
-    assert not r.isnan().any(), "the stock output has NaNs: the comparison would mean nothing"
-    assert same_bits(o, r), f"{differing(o, r)} of {r.numel()} elements differ"
-
-
-def _is_stock(model) -> bool:
-    return (all("forward" not in m.__dict__ for m in model.modules()) and not sites.sites_of(model)
-            and "_bitfuse_handle" not in model.__dict__)
-
-
-def _check_identity(model, kwargs_list, **accelerate_options):
-    """stock, then accelerated (the same bits), then restored (the same bits again)."""
-    refs = [_run(model, kw) for kw in kwargs_list]
-    handle = bitfuse.accelerate(model, **accelerate_options)
-    try:
-        assert not _is_stock(model)
-        for kw, ref in zip(kwargs_list, refs):
-            _assert_same(_run(model, kw), ref)
-    finally:
-        handle.restore()
-    assert _is_stock(model)
-    for kw, ref in zip(kwargs_list, refs):
-        _assert_same(_run(model, kw), ref)
-
-
 # ---------------------------------------------------------------- identity
 
 
@@ -107,18 +76,18 @@ def _check_identity(model, kwargs_list, **accelerate_options):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_identity(variant, dtype):
     model = _model(variant, DTYPES[dtype])
-    _check_identity(model, _cases(model))
+    check_identity(model, _cases(model))
 
 
 def test_identity_high_tier_and_return_dict():
     """On CPU the high tier's kernels fall back too: the same bits as stock."""
     model = _model("1.5", torch.bfloat16)
-    _check_identity(model, _cases(model), quality="high")
+    check_identity(model, _cases(model), quality="high")
     kw = dict(_inputs(model, 2, text_lengths=[3, 7]), return_dict=True)
-    ref = _run(model, kw)
+    ref = run(model, kw)
     with bitfuse.accelerate(model):
-        out = _run(model, kw)
-    _assert_same((out.sample,), (ref.sample,))
+        out = run(model, kw)
+    assert_same((out.sample,), (ref.sample,))
 
 
 def test_identity_with_affine_norm2_and_mixed_dtype_parameters():
@@ -130,18 +99,18 @@ def test_identity_with_affine_norm2_and_mixed_dtype_parameters():
         for block in model.transformer_blocks:
             block.norm2.weight.normal_()
             block.norm2.bias.normal_()
-    _check_identity(model, _cases(model)[:1])
+    check_identity(model, _cases(model)[:1])
     model = _model("1.0", torch.bfloat16)
     model.transformer_blocks[0].scale_shift_table.data = model.transformer_blocks[0].scale_shift_table.data.float()
     kw = _cases(model)[0]
     try:
-        ref = _run(model, kw)
+        ref = run(model, kw)
     except RuntimeError:  # the stock model may refuse the promoted stream; then so must ours
         with bitfuse.accelerate(model), pytest.raises(RuntimeError):
-            _run(model, kw)
+            run(model, kw)
         return
     with bitfuse.accelerate(model):
-        _assert_same(_run(model, kw), ref)
+        assert_same(run(model, kw), ref)
 
 
 def test_configs_and_inputs_as_the_pipeline_passes_them():
@@ -217,11 +186,11 @@ def test_every_site_is_routed(monkeypatch, variant):
     site (GLUMBConv runs stock)."""
     model = _model(variant)
     kw = _inputs(model, 2, text_lengths=[7, 5])
-    ref = _run(model, kw)
+    ref = run(model, kw)
     with _recording_sites(monkeypatch) as records:
-        assert _run(model, kw) is not None and records == []  # stock: no site calls
+        assert run(model, kw) is not None and records == []  # stock: no site calls
         with bitfuse.accelerate(model):
-            out = _run(model, kw)
+            out = run(model, kw)
     n = len(model.transformer_blocks)
     counts = {}
     for r in records:
@@ -229,7 +198,7 @@ def test_every_site_is_routed(monkeypatch, variant):
     assert counts == {"layer_norm_modulate_site": 2 * n + 1, "gated_residual_site": 2 * n}
     names = {r["name"] for r in records if r["site"] == "layer_norm_modulate_site"}
     assert names == {"norm_out"} | {f"transformer_blocks.{i}" for i in range(n)}
-    _assert_same(out, ref)
+    assert_same(out, ref)
 
 
 def _ff_layouts(model, kw) -> list:
@@ -239,7 +208,7 @@ def _ff_layouts(model, kw) -> list:
     hooks = [m.register_forward_pre_hook(lambda m, args: seen.append((tuple(args[0].shape), args[0].stride())))
              for b in model.transformer_blocks for m in (b.ff, b.ff.conv_depth)]
     try:
-        _run(model, kw)
+        run(model, kw)
     finally:
         for hook in hooks:
             hook.remove()
@@ -285,26 +254,26 @@ def test_glumbconv_runs_its_stock_forward_after_accelerate(monkeypatch):
     monkeypatch.setattr(GLUMBConv, "forward", counted)
     model = _model("1.0")
     kw = _inputs(model, 2)
-    ref = _run(model, kw)
+    ref = run(model, kw)
     ffs = [b.ff for b in model.transformer_blocks]
     assert calls == ffs
     calls.clear()
     with bitfuse.accelerate(model):
         assert not any("forward" in ff.__dict__ for ff in ffs)
         assert all(ff.forward.__func__ is counted for ff in ffs)
-        out = _run(model, kw)
+        out = run(model, kw)
     assert calls == ffs
-    _assert_same(out, ref)
+    assert_same(out, ref)
 
     class Scaled(GLUMBConv):
         def forward(self, hidden_states):
             return super().forward(hidden_states) * 0.5
 
     model.transformer_blocks[1].ff.__class__ = Scaled
-    assert not same_bits(_run(model, kw)[0], ref[0])  # the override matters
+    assert not same_bits(run(model, kw)[0], ref[0])  # the override matters
     with bitfuse.accelerate(model):
         assert "forward" not in model.transformer_blocks[1].ff.__dict__
-    _check_identity(model, [kw])
+    check_identity(model, [kw])
 
 
 def test_sites_change_the_output_when_they_change(monkeypatch):
@@ -312,15 +281,15 @@ def test_sites_change_the_output_when_they_change(monkeypatch):
     perturb the (unrouted) convolution epilogue sites and it does not."""
     model = _model("1.0")
     kw = _inputs(model, 2)
-    ref = _run(model, kw)
+    ref = run(model, kw)
     real = {name: getattr(sites, name) for name in ("gated_residual_site", "conv_bias_silu_site",
                                                     "conv_bias_glu_site")}
     with bitfuse.accelerate(model):
         monkeypatch.setattr(sites, "conv_bias_silu_site", lambda *a: real["conv_bias_silu_site"](*a) * 1.5)
         monkeypatch.setattr(sites, "conv_bias_glu_site", lambda *a: real["conv_bias_glu_site"](*a) * 1.5)
-        _assert_same(_run(model, kw), ref)
+        assert_same(run(model, kw), ref)
         monkeypatch.setattr(sites, "gated_residual_site", lambda *a, **k: real["gated_residual_site"](*a, **k) * 1.5)
-        out = _run(model, kw)
+        out = run(model, kw)
     assert not same_bits(out[0], ref[0])
 
 
@@ -330,23 +299,23 @@ def test_sites_change_the_output_when_they_change(monkeypatch):
 def test_quality_high_mounts_on_every_site_and_a_request_overrides_it(monkeypatch):
     model = _model("1.0", torch.bfloat16)
     kw = _inputs(model, 2)
-    ref = _run(model, kw)
+    ref = run(model, kw)
     handle = bitfuse.accelerate(model, quality="high")
     try:
         marked = sites.sites_of(model)
         assert len(marked) == len(model.transformer_blocks) + 1 and all(s.tier == "high" for s in marked)
         with _recording_sites(monkeypatch) as records:
-            out = _run(model, kw)
+            out = run(model, kw)
             n = len(records)
             with bitfuse.quality("lossless"):
-                out_lossless = _run(model, kw)
+                out_lossless = run(model, kw)
         tiers = [{r["tier"] for r in part if r["name"]} for part in (records[:n], records[n:])]
         assert n > 0 and tiers == [{"high"}, {"lossless"}]
-        _assert_same(out, ref)
-        _assert_same(out_lossless, ref)
+        assert_same(out, ref)
+        assert_same(out_lossless, ref)
     finally:
         handle.restore()
-    assert _is_stock(model)
+    assert is_stock(model)
 
 
 def test_quality_high_is_all_or_nothing():
@@ -355,8 +324,8 @@ def test_quality_high_is_all_or_nothing():
     model = _model("1.0", norm_elementwise_affine=True)
     with pytest.raises(bitfuse.MountError, match="transformer_blocks.0"):
         bitfuse.accelerate(model, quality="high")
-    assert _is_stock(model)
-    _check_identity(model, [_inputs(model, 2)])
+    assert is_stock(model)
+    check_identity(model, [_inputs(model, 2)])
 
 
 # ---------------------------------------------------------------- torch.compile
@@ -369,7 +338,7 @@ def test_compile_traces_the_plain_expressions():
     torch._dynamo.reset()
     model = _model("1.0", torch.bfloat16)
     kw = _inputs(model, 2, text_lengths=[3, 7])
-    ref = _run(model, kw)
+    ref = run(model, kw)
     graphs = []
 
     def backend(gm, example_inputs):
@@ -378,7 +347,7 @@ def test_compile_traces_the_plain_expressions():
 
     try:
         with bitfuse.accelerate(model):
-            _assert_same(_run(torch.compile(model, backend=backend), kw), ref)
+            assert_same(run(torch.compile(model, backend=backend), kw), ref)
         targets = [str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
         n = len(model.transformer_blocks)
         assert sum("layer_norm" in t for t in targets) == 2 * n + 1
@@ -394,11 +363,11 @@ def test_compile_repeated_blocks_fullgraph_equals_stock():
     torch._dynamo.reset()
     model = _model("1.5", torch.bfloat16)
     kw = _inputs(model, 2, text_lengths=[2, 7])
-    ref = _run(model, kw)
+    ref = run(model, kw)
     try:
         with bitfuse.accelerate(model):
             model.compile_repeated_blocks(fullgraph=True, backend="eager")
-            _assert_same(_run(model, kw), ref)
+            assert_same(run(model, kw), ref)
             assert all(b._compiled_call_impl is not None for b in model.transformer_blocks)
     finally:
         for b in model.transformer_blocks:
@@ -416,12 +385,12 @@ def test_a_pipeline_is_accelerated_through_its_transformer():
     model = _model("1.0", torch.bfloat16)
     pipe = types.SimpleNamespace(transformer=model)
     kw = _inputs(model, 2, 9, text_lengths=[2, 9], seed=1)
-    ref = _run(pipe.transformer, kw)
+    ref = run(pipe.transformer, kw)
     with bitfuse.accelerate(pipe) as handle:
         assert handle.model is model and handle.pipeline is pipe and len(handle.sites) == 3
-        _assert_same(_run(pipe.transformer, kw), ref)
+        assert_same(run(pipe.transformer, kw), ref)
         assert bitfuse.accelerate(pipe) is handle
-    assert _is_stock(model)
+    assert is_stock(model)
 
 
 def test_restore_is_complete_and_idempotent():
@@ -432,7 +401,7 @@ def test_restore_is_complete_and_idempotent():
     assert model.norm_out.forward.__func__ is sana._modulated_norm_forward
     handle.restore()
     handle.restore()
-    assert _is_stock(model) and not handle.active
+    assert is_stock(model) and not handle.active
 
 
 def test_refuses_a_changed_diffusers_source(monkeypatch):
@@ -440,7 +409,7 @@ def test_refuses_a_changed_diffusers_source(monkeypatch):
     monkeypatch.setitem(sana.VERIFIED_SOURCES, "SanaModulatedNorm.forward", "0" * 64)
     with pytest.raises(UnsupportedVersionError, match=r"SanaModulatedNorm\.forward differs"):
         bitfuse.accelerate(model)
-    assert _is_stock(model)
+    assert is_stock(model)
     with pytest.warns(UserWarning, match="differs"):
         bitfuse.accelerate(model, force=True).restore()
 
@@ -464,11 +433,11 @@ def test_the_kernels_run_through_the_gate(monkeypatch):
     judged (GLUMBConv runs stock)."""
     model = _model("1.0")
     kw = _inputs(model, 2, 3, text_lengths=[2, 3])
-    ref = _run(model, kw)
+    ref = run(model, kw)
     monkeypatch.setattr(_params, "INTERPRET_ON_CPU", True)
     with bitfuse.accelerate(model), warnings.catch_warnings():
         warnings.simplefilter("ignore", policy.FallbackWarning)
-        _assert_same(_run(model, kw), ref)
+        assert_same(run(model, kw), ref)
     verdicts = policy.verdicts()
     assert {v.signature.rsplit(" ", 1)[1] for v in verdicts if v.op == "gated_residual" and v.active} == {
         "per-sample/strided"}, [v.signature for v in verdicts]

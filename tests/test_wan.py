@@ -30,8 +30,9 @@ from bitfuse.models.wan_configs import (  # noqa: E402
     tiny_config,
     video_tokens,
 )
-from bitfuse.numerics import differing, same_bits  # noqa: E402
+from bitfuse.numerics import same_bits  # noqa: E402
 from bitfuse.ops._params import Folded, value32  # noqa: E402
+from model_checks import assert_same, check_identity, is_stock, run  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SIZE = {"2.1-14b": (64, 96, 9), "2.2-5b": (128, 160, 9)}  # 3 x 4 x 6 and 3 x 4 x 5 tokens
@@ -54,38 +55,6 @@ def _inputs(model, variant, batch=1, **options):
     return make_inputs(model, batch, h, w, f, variant=variant, text_tokens=16, **options)
 
 
-def _run(model, kw):
-    with torch.no_grad():
-        return model(**kw)
-
-
-def _assert_same(out, ref):
-    o, r = out[0], ref[0]
-    assert not r.isnan().any(), "the stock output has NaNs: the comparison would mean nothing"
-    assert same_bits(o, r), f"{differing(o, r)} of {r.numel()} elements differ"
-
-
-def _is_stock(model) -> bool:
-    procs = {type(m.processor) for m in model.modules() if hasattr(m, "processor")}
-    return (all("forward" not in m.__dict__ for m in model.modules()) and not sites.sites_of(model)
-            and "_bitfuse_handle" not in model.__dict__ and procs == {diffusers.models.transformers.transformer_wan
-                                                                       .WanAttnProcessor})
-
-
-def _check_identity(model, kwargs_list, **accelerate_options):
-    refs = [_run(model, kw) for kw in kwargs_list]
-    handle = bitfuse.accelerate(model, **accelerate_options)
-    try:
-        assert not _is_stock(model)
-        for kw, ref in zip(kwargs_list, refs):
-            _assert_same(_run(model, kw), ref)
-    finally:
-        handle.restore()
-    assert _is_stock(model)
-    for kw, ref in zip(kwargs_list, refs):
-        _assert_same(_run(model, kw), ref)
-
-
 # ---------------------------------------------------------------- identity
 
 
@@ -94,7 +63,7 @@ def _check_identity(model, kwargs_list, **accelerate_options):
 def test_identity(variant, dtype):
     """Wan 2.1 (per-sample timestep) and Wan 2.2 TI2V (per-token timestep), batch 1 and 2."""
     model = _model(variant, DTYPES[dtype])
-    _check_identity(model, [_inputs(model, variant, 1, seed=1), _inputs(model, variant, 2, seed=2)])
+    check_identity(model, [_inputs(model, variant, 1, seed=1), _inputs(model, variant, 2, seed=2)])
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -104,17 +73,17 @@ def test_identity_other_layouts(variant):
     cast too: eager's `table + temb.float()` is still fp32)."""
     model = _model(variant)
     kw = _inputs(model, variant, 2, per_token_timestep=variant != "2.2-5b", seed=3)
-    _check_identity(model, [kw], quality="high")
-    ref = _run(model, dict(kw, return_dict=True))
+    check_identity(model, [kw], quality="high")
+    ref = run(model, dict(kw, return_dict=True))
     with bitfuse.accelerate(model):
-        out = _run(model, dict(kw, return_dict=True))
-    _assert_same((out.sample,), (ref.sample,))
+        out = run(model, dict(kw, return_dict=True))
+    assert_same((out.sample,), (ref.sample,))
     plain = _model(variant, cross_attn_norm=False)
     assert isinstance(plain.blocks[0].norm2, torch.nn.Identity)
-    _check_identity(plain, [_inputs(plain, variant, 1, seed=4)])
+    check_identity(plain, [_inputs(plain, variant, 1, seed=4)])
     cast = torch.nn.Module.to(_model(variant), torch.bfloat16)
     assert cast.blocks[0].scale_shift_table.dtype is torch.bfloat16
-    _check_identity(cast, [_inputs(cast, variant, 1, seed=5)])
+    check_identity(cast, [_inputs(cast, variant, 1, seed=5)])
 
 
 def test_identity_fused_projections_and_i2v():
@@ -123,12 +92,12 @@ def test_identity_fused_projections_and_i2v():
     model = _model("2.1-14b", added_kv_proj_dim=48, image_dim=32)  # added K/V read the embedded image tokens (inner dim)
     kw = make_inputs(model, 1, *SIZE["2.1-14b"], text_tokens=512, seed=6)  # the processor splits off the last 512
     kw["encoder_hidden_states_image"] = torch.randn(1, 4, 32).to(torch.bfloat16)
-    _check_identity(model, [kw])
+    check_identity(model, [kw])
     model = _model("2.2-5b")
     for m in model.modules():
         if isinstance(m, diffusers.models.transformers.transformer_wan.WanAttention):
             m.fuse_projections()
-    _check_identity(model, [_inputs(model, "2.2-5b", 1, seed=7)])
+    check_identity(model, [_inputs(model, "2.2-5b", 1, seed=7)])
 
 
 def test_make_inputs_as_the_pipeline_passes_them():
@@ -192,11 +161,11 @@ def test_every_site_is_routed(monkeypatch, variant):
     (per-sample), Folded rows of the bf16 temb (per-token)."""
     model = _model(variant)
     kw = _inputs(model, variant, 2)
-    ref = _run(model, kw)
+    ref = run(model, kw)
     records = _recording_sites(monkeypatch)
     with bitfuse.accelerate(model):
-        out = _run(model, kw)
-    _assert_same(out, ref)
+        out = run(model, kw)
+    assert_same(out, ref)
     n = len(model.blocks)
     counts = collections.Counter(name for name, _ in records)
     assert counts == {"layer_norm_modulate_f32_site": 2 * n + 1, "gated_residual_f32_site": 2 * n,
@@ -235,11 +204,11 @@ def test_sites_change_the_output_when_they_change(monkeypatch):
     """A control for the identity tests: perturb one site and the output moves."""
     model = _model("2.2-5b")
     kw = _inputs(model, "2.2-5b", 1)
-    ref = _run(model, kw)
+    ref = run(model, kw)
     real = sites.gated_residual_f32_site
     monkeypatch.setattr(sites, "gated_residual_f32_site", lambda x, y, gate: real(x, y * 1.5, gate))
     with bitfuse.accelerate(model):
-        out = _run(model, kw)
+        out = run(model, kw)
     assert not same_bits(out[0], ref[0])
 
 
@@ -252,7 +221,7 @@ def test_quality_high_mounts_on_every_site():
         marked = sites.sites_of(model)
         assert len(marked) == len(model.blocks) + 1 and all(s.tier == "high" for s in marked)
         assert handle.quality == "high"
-    assert _is_stock(model)
+    assert is_stock(model)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -262,7 +231,7 @@ def test_compile_traces_the_plain_expressions(variant):
     torch._dynamo.reset()
     model = _model(variant)
     kw = _inputs(model, variant, 1)
-    ref = _run(model, kw)
+    ref = run(model, kw)
     graphs = []
 
     def backend(gm, example_inputs):
@@ -271,7 +240,7 @@ def test_compile_traces_the_plain_expressions(variant):
 
     try:
         with bitfuse.accelerate(model):
-            _assert_same(_run(torch.compile(model, backend=backend), kw), ref)
+            assert_same(run(torch.compile(model, backend=backend), kw), ref)
         targets = [str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
         assert sum("layer_norm" in t for t in targets) == 3 * len(model.blocks) + 1
         assert not any("bitfuse" in t for t in targets)
@@ -286,12 +255,12 @@ def test_a_pipeline_is_accelerated_through_its_transformer():
     model = _model("2.1-14b")
     pipe = types.SimpleNamespace(transformer=model)
     kw = _inputs(model, "2.1-14b", 1)
-    ref = _run(model, kw)
+    ref = run(model, kw)
     with bitfuse.accelerate(pipe) as handle:
         assert handle.model is model and handle.pipeline is pipe and len(handle.sites) == len(model.blocks) + 1
-        _assert_same(_run(pipe.transformer, kw), ref)
+        assert_same(run(pipe.transformer, kw), ref)
         assert bitfuse.accelerate(pipe) is handle
-    assert _is_stock(model)
+    assert is_stock(model)
 
 
 def test_restore_is_complete_and_idempotent():
@@ -301,7 +270,7 @@ def test_restore_is_complete_and_idempotent():
     assert type(model.blocks[0].attn1.processor) is wan._AttnProcessor
     handle.restore()
     handle.restore()
-    assert _is_stock(model) and not handle.active
+    assert is_stock(model) and not handle.active
 
 
 def test_refuses_a_changed_diffusers_source(monkeypatch):
@@ -309,7 +278,7 @@ def test_refuses_a_changed_diffusers_source(monkeypatch):
     monkeypatch.setitem(wan.VERIFIED_SOURCES, "WanAttnProcessor.__call__", "0" * 64)
     with pytest.raises(UnsupportedVersionError, match=r"WanAttnProcessor\.__call__ differs"):
         bitfuse.accelerate(model)
-    assert _is_stock(model)
+    assert is_stock(model)
     with pytest.warns(UserWarning, match="differs"):
         bitfuse.accelerate(model, force=True).restore()
 

@@ -1,0 +1,61 @@
+"""Shared checks of the model-integration tests (tests/test_<model>.py): a forward
+without autograd, the bitwise comparison of two outputs, whether a model is stock
+again, and the stock -> accelerated -> restored identity.
+
+Not a test module (no `test_` prefix); the test files import it as `model_checks`
+(pytest puts tests/ on sys.path: the directory has a conftest.py and no __init__.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import bitfuse
+from bitfuse import sites
+from bitfuse.numerics import differing, same_bits
+
+
+def run(model, kwargs: dict):
+    """`model(**kwargs)` without autograd."""
+    with torch.no_grad():
+        return model(**kwargs)
+
+
+def assert_same(out, ref) -> None:
+    """`out` and `ref` are the 1-tuples a diffusers model returns with return_dict=False
+    (or `(output.sample,)`); their tensors must be bitwise equal (`same_bits`: signed
+    zeros count, NaN == NaN). A stock output holding NaNs fails: the comparison would
+    mean nothing."""
+    assert isinstance(out, tuple) and len(out) == len(ref) == 1
+    o, r = out[0], ref[0]
+    assert not r.isnan().any(), "the stock output has NaNs: the comparison would mean nothing"
+    assert same_bits(o, r), f"{differing(o, r)} of {r.numel()} elements differ"
+
+
+def _processors(model) -> list:
+    return [m.processor for m in model.modules() if hasattr(m, "processor")]
+
+
+def is_stock(model) -> bool:
+    """Whether nothing of bitfuse is left on `model`: no instance forward, no site
+    marks, no handle, no attention processor of a bitfuse class."""
+    return (all("forward" not in m.__dict__ for m in model.modules()) and not sites.sites_of(model)
+            and "_bitfuse_handle" not in model.__dict__
+            and not any(type(p).__module__.startswith("bitfuse.") for p in _processors(model)))
+
+
+def check_identity(model, kwargs_list, **accelerate_options) -> None:
+    """Stock, then accelerated (the same bits), then restored (stock again, the same
+    bits again), for every call in `kwargs_list` (forward keyword arguments with
+    return_dict=False). `accelerate_options` go to `bitfuse.accelerate`."""
+    refs = [run(model, kw) for kw in kwargs_list]
+    handle = bitfuse.accelerate(model, **accelerate_options)
+    try:
+        assert not is_stock(model)
+        for kw, ref in zip(kwargs_list, refs):
+            assert_same(run(model, kw), ref)
+    finally:
+        handle.restore()
+    assert is_stock(model)
+    for kw, ref in zip(kwargs_list, refs):
+        assert_same(run(model, kw), ref)
