@@ -44,18 +44,20 @@ def is_stock(model) -> bool:
             and not any(type(p).__module__.startswith("bitfuse.") for p in _processors(model)))
 
 
-def check_identity(model, kwargs_list, **accelerate_options) -> None:
-    """Stock, then accelerated (the same bits), then restored (stock again, the same
-    bits again), for every call in `kwargs_list` (forward keyword arguments with
-    return_dict=False). `accelerate_options` go to `bitfuse.accelerate`."""
+def check_identity(model, kwargs_list, *, compare=assert_same, **accelerate_options) -> None:
+    """Stock, then accelerated (the same bits, and the handle at the quality asked),
+    then restored (stock again, the same bits again), for every call in `kwargs_list`
+    (forward keyword arguments with return_dict=False). `compare(out, ref)` asserts
+    that two outputs are the same (default `assert_same`); `accelerate_options` go to
+    `bitfuse.accelerate`."""
     refs = [run(model, kw) for kw in kwargs_list]
     handle = bitfuse.accelerate(model, **accelerate_options)
     try:
-        assert not is_stock(model)
+        assert not is_stock(model) and handle.quality == accelerate_options.get("quality", "lossless")
         for kw, ref in zip(kwargs_list, refs):
-            assert_same(run(model, kw), ref)
+            compare(run(model, kw), ref)
     finally:
         handle.restore()
     assert is_stock(model)
     for kw, ref in zip(kwargs_list, refs):
-        assert_same(run(model, kw), ref)
+        compare(run(model, kw), ref)

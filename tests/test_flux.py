@@ -24,6 +24,7 @@ from bitfuse.models import UnsupportedVersionError, adaln, flux  # noqa: E402
 from bitfuse.models.flux_configs import build_model, make_inputs, tiny_config  # noqa: E402
 from bitfuse.ops import _params  # noqa: E402
 from bitfuse.ops._params import value  # noqa: E402
+from model_checks import assert_same, check_identity, is_stock, run  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SMALL = dict(height=64, width=48, text_tokens=5)  # 4 x 3 image tokens
@@ -52,38 +53,6 @@ def _random_norm_weights(model):
                 m.weight.copy_(1 + 0.5 * torch.randn(m.weight.shape, generator=gen))
 
 
-def _run(model, kwargs):
-    with torch.no_grad():
-        return model(**kwargs)
-
-
-def _assert_equal(out, ref):
-    assert isinstance(out, tuple) and len(out) == len(ref) == 1
-    o, r = out[0], ref[0]
-    assert not r.isnan().any(), "the stock output has NaNs: the comparison would mean nothing"
-    assert o.dtype == r.dtype and o.shape == r.shape
-    assert torch.equal(o, r), f"{int((o != r).sum())} of {r.numel()} elements differ"
-
-
-def _is_stock(model) -> bool:
-    return all("forward" not in m.__dict__ for m in model.modules())
-
-
-def _check_identity(model, kwargs_list, quality="lossless"):
-    """stock, then accelerated (== stock), then restored (== stock again)."""
-    refs = [_run(model, kw) for kw in kwargs_list]
-    handle = bitfuse.accelerate(model, quality=quality)
-    try:
-        assert not _is_stock(model) and handle.quality == quality
-        for kw, ref in zip(kwargs_list, refs):
-            _assert_equal(_run(model, kw), ref)
-    finally:
-        handle.restore()
-    assert _is_stock(model) and not sites.sites_of(model)
-    for kw, ref in zip(kwargs_list, refs):
-        _assert_equal(_run(model, kw), ref)
-
-
 def _outliers(kw, channels=(1, 5), factor=300.0):
     """The same inputs with a few image and text channels scaled up (outlier channels)."""
     kw = dict(kw)
@@ -109,7 +78,7 @@ def test_identity(variant, dtype, quality):
         make_inputs(model, batch=1, height=48, width=80, text_tokens=7, seed=1),  # 3 x 5 tokens
         _outliers(make_inputs(model, batch=3, per_sample_t=True, seed=2, **SMALL)),
     ]
-    _check_identity(model, cases, quality)
+    check_identity(model, cases, quality=quality)
 
 
 def test_identity_controlnet_residuals_and_attention_kwargs():
@@ -124,21 +93,21 @@ def test_identity_controlnet_residuals_and_attention_kwargs():
         controlnet_single_block_samples=[torch.randn(shape, generator=gen).bfloat16() for _ in range(2)],
     )
     cases = [dict(kw, **controlnet), dict(kw, joint_attention_kwargs={})]
-    _check_identity(model, cases)
-    ref = _run(model, dict(kw, return_dict=True)).sample
+    check_identity(model, cases)
+    ref = run(model, dict(kw, return_dict=True)).sample
     with bitfuse.accelerate(model):
-        assert torch.equal(_run(model, dict(kw, return_dict=True)).sample, ref)
+        assert torch.equal(run(model, dict(kw, return_dict=True)).sample, ref)
 
 
 def test_sites_change_the_output_when_they_change(monkeypatch):
     """A control for the identity tests: perturb the gated residual site and the output moves."""
     model = _model()
     kw = make_inputs(model, batch=2, **SMALL)
-    ref = _run(model, kw)
+    ref = run(model, kw)
     real = sites.gated_residual_site
     monkeypatch.setattr(sites, "gated_residual_site", lambda x, y, gate: real(x, y, value(gate) * 1.5))
     with bitfuse.accelerate(model):
-        out = _run(model, kw)
+        out = run(model, kw)
     assert not torch.equal(out[0], ref[0])
 
 
@@ -148,7 +117,7 @@ def test_processors_route_the_qk_norms_and_rope_and_come_back(monkeypatch):
     without it in single blocks. Another processor class is left alone."""
     model = _model()
     kw = make_inputs(model, batch=2, per_sample_t=True, **SMALL)
-    ref = _run(model, kw)
+    ref = run(model, kw)
     mine = type("Mine", (diffusers.models.transformers.transformer_flux.FluxAttnProcessor,), {})()
     model.single_transformer_blocks[1].attn.set_processor(mine)
     processors = {id(m): m.processor for m in model.modules() if hasattr(m, "processor")}
@@ -161,7 +130,7 @@ def test_processors_route_the_qk_norms_and_rope_and_come_back(monkeypatch):
     with bitfuse.accelerate(model):
         assert [type(m.processor).__name__ for m in model.modules() if hasattr(m, "processor")] == [
             "_AttnProcessor"] * 3 + ["Mine"]
-        _assert_equal(_run(model, kw), ref)
+        assert_same(run(model, kw), ref)
     assert calls == [True, True, False]
     assert all(m.processor is processors[id(m)] and type(m.processor).__module__ != "bitfuse.models.flux"
                and m.processor._attention_backend == "native" for m in model.modules() if hasattr(m, "processor"))
@@ -218,11 +187,11 @@ def _is_view_in_place(p: torch.Tensor) -> bool:
 def test_every_adaln_site_is_routed(monkeypatch):
     model = _model()
     kw = make_inputs(model, batch=2, per_sample_t=True, **SMALL)
-    ref = _run(model, kw)
+    ref = run(model, kw)
     with _recording_sites(monkeypatch) as records:
-        assert _run(model, kw) is not None and records == []  # stock: no site calls
+        assert run(model, kw) is not None and records == []  # stock: no site calls
         with bitfuse.accelerate(model) as handle:
-            out = _run(model, kw)
+            out = run(model, kw)
             assert handle.routed == {"FluxTransformerBlock": 2, "AdaLayerNormZero": 4,
                                      "AdaLayerNormZeroSingle": 2, "AdaLayerNormContinuous": 1}
             assert "routed: FluxTransformerBlock x2" in repr(handle)
@@ -237,26 +206,26 @@ def test_every_adaln_site_is_routed(monkeypatch):
         f"single_transformer_blocks.{i}.norm" for i in range(single)}
     params = [p for r in records for p in r[3]]
     assert params and all(p.shape == (2, 1, model.inner_dim) and _is_view_in_place(p) for p in params)
-    _assert_equal(out, ref)
+    assert_same(out, ref)
 
 
 def test_quality_high_mounts_on_every_site(monkeypatch):
     model = _model("dev", torch.bfloat16)
     kw = make_inputs(model, batch=2, per_sample_t=True, **SMALL)
-    ref = _run(model, kw)
+    ref = run(model, kw)
     with bitfuse.accelerate(model, quality="high") as handle:
         marked = sites.sites_of(model)
         assert len(marked) == sum(handle.routed.values()) == 9 and all(s.tier == "high" for s in marked)
         with _recording_sites(monkeypatch) as records:
-            out = _run(model, kw)
+            out = run(model, kw)
             with bitfuse.quality("lossless"):
-                out_lossless = _run(model, kw)
+                out_lossless = run(model, kw)
         n = len(records) // 2
         tiers = [{r[1] for r in half if r[2] is not None} for half in (records[:n], records[n:])]
         assert n > 0 and tiers == [{"high"}, {"lossless"}]
-    _assert_equal(out, ref)
-    _assert_equal(out_lossless, ref)
-    assert _is_stock(model) and not sites.sites_of(model)
+    assert_same(out, ref)
+    assert_same(out_lossless, ref)
+    assert is_stock(model) and not sites.sites_of(model)
 
 
 def test_pointwise_kernels_run_on_the_models_operands(monkeypatch):
@@ -269,12 +238,12 @@ def test_pointwise_kernels_run_on_the_models_operands(monkeypatch):
     monkeypatch.setattr(_params, "INTERPRET_ON_CPU", True)
     model = _model()
     kw = make_inputs(model, batch=2, per_sample_t=True, **SMALL)
-    ref = _run(model, kw)
+    ref = run(model, kw)
     with bitfuse.accelerate(model), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        outs = [_run(model, kw) for _ in range(2)]  # first sight, then the verified path
+        outs = [run(model, kw) for _ in range(2)]  # first sight, then the verified path
     for out in outs:
-        _assert_equal(out, ref)
+        assert_same(out, ref)
     statuses = {(v.op, v.status) for v in policy.verdicts()}
     assert ("gated_residual", "verified") in statuses
     assert {op for op, _ in statuses} == {"gated_residual", "layer_norm_modulate", "qk_norm_rope"}
@@ -289,7 +258,7 @@ def test_compile_sees_the_plain_expressions():
     torch._dynamo.reset()
     model = _model("dev", torch.bfloat16)
     kw = make_inputs(model, batch=2, per_sample_t=True, **SMALL)
-    ref = _run(model, kw)
+    ref = run(model, kw)
     graphs = []
 
     def backend(gm, example_inputs):
@@ -297,7 +266,7 @@ def test_compile_sees_the_plain_expressions():
         return gm.forward
 
     with bitfuse.accelerate(model):
-        _assert_equal(_run(torch.compile(model, fullgraph=True, backend=backend), kw), ref)
+        assert_same(run(torch.compile(model, fullgraph=True, backend=backend), kw), ref)
     code = "\n".join(g.code for g in graphs)
     assert len(graphs) == 1 and "layer_norm" in code and "bitfuse" not in code
     torch._dynamo.reset()
@@ -307,12 +276,12 @@ def test_compile_with_graph_breaks_and_repeated_blocks_equal_stock():
     torch._dynamo.reset()
     model = _model("dev", torch.bfloat16)
     kw = make_inputs(model, batch=2, per_sample_t=True, **SMALL)
-    ref = _run(model, kw)
+    ref = run(model, kw)
     with bitfuse.accelerate(model):
-        _assert_equal(_run(torch.compile(model, fullgraph=False, backend="eager"), kw), ref)
+        assert_same(run(torch.compile(model, fullgraph=False, backend="eager"), kw), ref)
         model.compile_repeated_blocks(fullgraph=True, backend="eager")
         try:
-            _assert_equal(_run(model, kw), ref)
+            assert_same(run(model, kw), ref)
         finally:
             for b in list(model.transformer_blocks) + list(model.single_transformer_blocks):
                 b._compiled_call_impl = None
@@ -325,14 +294,14 @@ def test_compile_with_graph_breaks_and_repeated_blocks_equal_stock():
 def test_a_pipeline_stand_in_and_a_compiled_wrapper_are_unwrapped():
     model = _model()
     kw = make_inputs(model, batch=1, **SMALL)
-    ref = _run(model, kw)
+    ref = run(model, kw)
     pipe = types.SimpleNamespace(transformer=model)
     with bitfuse.accelerate(pipe) as handle:
         assert handle.model is model and handle.pipeline is pipe and isinstance(handle, flux.FluxHandle)
-        _assert_equal(_run(model, kw), ref)
+        assert_same(run(model, kw), ref)
     with bitfuse.accelerate(torch.compile(model, backend="eager")) as handle:
         assert handle.model is model
-    assert _is_stock(model)
+    assert is_stock(model)
 
 
 def test_flux_pipeline_output_is_bit_identical():
@@ -390,7 +359,7 @@ def test_refuses_a_changed_diffusers_source(monkeypatch):
             m.setitem(flux.VERIFIED_SOURCES, name, "0" * 64)
             with pytest.raises(UnsupportedVersionError, match=f"{name} differs"):
                 bitfuse.accelerate(model)
-            assert _is_stock(model)
+            assert is_stock(model)
             with pytest.warns(UserWarning, match="differs"):
                 bitfuse.accelerate(model, force=True).restore()
 
@@ -410,11 +379,11 @@ def test_cuda_graphs_wrap_and_restore():
 
     model = _model()
     cases = [make_inputs(model, batch=2, per_sample_t=True, seed=s, **SMALL) for s in range(3)]
-    refs = [_run(model, kw) for kw in cases]
+    refs = [run(model, kw) for kw in cases]
     backend = graphs.EmulatedGraphBackend()
     with bitfuse.accelerate(model, cuda_graphs=True, backend=backend, warmup=1) as handle:
         for kw, ref in zip(cases, refs):
-            _assert_equal(_run(model, kw), ref)
+            assert_same(run(model, kw), ref)
         assert backend.captures == 1 and backend.replays == 3
         assert handle.graphs.report()["signatures"][0]["segments"] == 1
-    assert handle.graphs is None and _is_stock(model)
+    assert handle.graphs is None and is_stock(model)

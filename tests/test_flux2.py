@@ -25,6 +25,7 @@ from bitfuse.models import UnsupportedVersionError, flux2  # noqa: E402
 from bitfuse.models.flux2_configs import build_model, make_inputs, tiny_config, use_kv_processors  # noqa: E402
 from bitfuse.ops import _params  # noqa: E402
 from bitfuse.ops._params import value  # noqa: E402
+from model_checks import assert_same, check_identity, is_stock, run  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SMALL = dict(height=64, width=48, text_tokens=5)  # 4 x 3 image tokens
@@ -51,41 +52,15 @@ def _model(dtype=torch.float32, seed=0, kv=False, **overrides):
     return model
 
 
-def _run(model, kwargs):
-    with torch.no_grad():
-        return model(**kwargs)
-
-
 def _assert_equal(out, ref):
     """The sample, and in KV-extract mode the cached reference K/V of every block."""
     assert isinstance(out, tuple) and len(out) == len(ref)
-    o, r = out[0], ref[0]
-    assert not r.isnan().any(), "the stock output has NaNs: the comparison would mean nothing"
-    assert o.dtype == r.dtype and o.shape == r.shape
-    assert torch.equal(o, r), f"{int((o != r).sum())} of {r.numel()} elements differ"
+    assert_same(out[:1], ref[:1])
     if len(ref) == 2:
         caches = [(a, b) for kind in ("double_block_caches", "single_block_caches")
                   for a, b in zip(getattr(out[1], kind), getattr(ref[1], kind))]
         assert caches and out[1].num_ref_tokens == ref[1].num_ref_tokens
         assert all(torch.equal(a.k_ref, b.k_ref) and torch.equal(a.v_ref, b.v_ref) for a, b in caches)
-
-
-def _is_stock(model) -> bool:
-    return all("forward" not in m.__dict__ for m in model.modules())
-
-
-def _check_identity(model, kwargs_list, quality="lossless"):
-    refs = [_run(model, kw) for kw in kwargs_list]
-    handle = bitfuse.accelerate(model, quality=quality)
-    try:
-        assert not _is_stock(model) and handle.quality == quality
-        for kw, ref in zip(kwargs_list, refs):
-            _assert_equal(_run(model, kw), ref)
-    finally:
-        handle.restore()
-    assert _is_stock(model) and not sites.sites_of(model)
-    for kw, ref in zip(kwargs_list, refs):
-        _assert_equal(_run(model, kw), ref)
 
 
 def _outliers(kw, channels=(1, 5), factor=300.0):
@@ -112,14 +87,16 @@ def test_identity(dtype, quality):
         make_inputs(model, batch=1, height=48, width=80, text_tokens=7, guidance_scale=None, seed=1),
         _outliers(make_inputs(model, batch=3, per_sample_t=True, seed=2, **SMALL)),
     ]
-    _check_identity(model, cases, quality)
+    check_identity(model, cases, quality=quality, compare=_assert_equal)
     use_kv_processors(model)
-    _check_identity(model, [make_inputs(model, batch=2, per_sample_t=True, ref_tokens=3, seed=3, **SMALL)], quality)
+    check_identity(model, [make_inputs(model, batch=2, per_sample_t=True, ref_tokens=3, seed=3, **SMALL)],
+                   quality=quality, compare=_assert_equal)
 
 
 def test_identity_without_a_guidance_embedding():
     model = _model(torch.bfloat16, guidance_embeds=False)
-    _check_identity(model, [make_inputs(model, batch=2, per_sample_t=True, guidance_scale=None, **SMALL)])
+    check_identity(model, [make_inputs(model, batch=2, per_sample_t=True, guidance_scale=None, **SMALL)],
+                   compare=_assert_equal)
 
 
 def test_processors_route_the_qk_norms_and_rope_and_come_back(monkeypatch):
@@ -128,7 +105,7 @@ def test_processors_route_the_qk_norms_and_rope_and_come_back(monkeypatch):
     double blocks, without it in single blocks. The KV processors are left alone."""
     model = _model()
     kw = make_inputs(model, batch=2, per_sample_t=True, **SMALL)
-    ref = _run(model, kw)
+    ref = run(model, kw)
     processors = {id(m): m.processor for m in model.modules() if hasattr(m, "processor")}
     for p in processors.values():
         p._attention_backend = "native"
@@ -138,7 +115,7 @@ def test_processors_route_the_qk_norms_and_rope_and_come_back(monkeypatch):
         calls.append(eq is not None), real(attn, q, k, eq, ek, rope))[1])
     with bitfuse.accelerate(model):
         assert {type(p).__name__ for p in processors.values()} == {"_AttnProcessor", "_ParallelSelfAttnProcessor"}
-        _assert_equal(_run(model, kw), ref)
+        _assert_equal(run(model, kw), ref)
     assert calls == [True] * 2 + [False] * 2
     assert all(m.processor is processors[id(m)] and type(m.processor).__module__.startswith("diffusers.")
                and m.processor._attention_backend == "native" for m in model.modules() if hasattr(m, "processor"))
@@ -151,11 +128,11 @@ def test_processors_route_the_qk_norms_and_rope_and_come_back(monkeypatch):
 def test_sites_change_the_output_when_they_change(monkeypatch):
     model = _model()
     kw = make_inputs(model, batch=2, **SMALL)
-    ref = _run(model, kw)
+    ref = run(model, kw)
     real = sites.gated_residual_site
     monkeypatch.setattr(sites, "gated_residual_site", lambda x, y, gate: real(x, y, value(gate) * 1.5))
     with bitfuse.accelerate(model):
-        out = _run(model, kw)
+        out = run(model, kw)
     assert not torch.equal(out[0], ref[0])
 
 
@@ -210,11 +187,11 @@ def _is_view_in_place(p: torch.Tensor) -> bool:
 def test_every_adaln_site_is_routed(monkeypatch, ref_tokens):
     model = _model(kv=bool(ref_tokens))
     kw = make_inputs(model, batch=2, per_sample_t=True, ref_tokens=ref_tokens, **SMALL)
-    ref = _run(model, kw)
+    ref = run(model, kw)
     with _recording_sites(monkeypatch) as records:
-        assert _run(model, kw) is not None and records == []  # stock: no site calls
+        assert run(model, kw) is not None and records == []  # stock: no site calls
         with bitfuse.accelerate(model) as handle:
-            out = _run(model, kw)
+            out = run(model, kw)
             assert handle.routed == {"Flux2TransformerBlock": 2, "Flux2SingleTransformerBlock": 2,
                                      "AdaLayerNormContinuous": 1}
     double, single = len(model.transformer_blocks), len(model.single_transformer_blocks)
@@ -238,20 +215,20 @@ def test_every_adaln_site_is_routed(monkeypatch, ref_tokens):
 def test_quality_high_mounts_on_every_site(monkeypatch):
     model = _model(torch.bfloat16, kv=True)
     kw = make_inputs(model, batch=2, per_sample_t=True, ref_tokens=3, **SMALL)
-    ref = _run(model, kw)
+    ref = run(model, kw)
     with bitfuse.accelerate(model, quality="high"):
         marked = sites.sites_of(model)
         assert len(marked) == 5 and all(s.tier == "high" for s in marked)
         with _recording_sites(monkeypatch) as records:
-            out = _run(model, kw)
+            out = run(model, kw)
             with bitfuse.quality("lossless"):
-                out_lossless = _run(model, kw)
+                out_lossless = run(model, kw)
         n = len(records) // 2
         tiers = [{r[1] for r in half if r[2] is not None} for half in (records[:n], records[n:])]
         assert n > 0 and tiers == [{"high"}, {"lossless"}]
     _assert_equal(out, ref)
     _assert_equal(out_lossless, ref)
-    assert _is_stock(model)
+    assert is_stock(model)
 
 
 def test_pointwise_kernels_run_on_the_models_operands(monkeypatch):
@@ -262,10 +239,10 @@ def test_pointwise_kernels_run_on_the_models_operands(monkeypatch):
     monkeypatch.setattr(_params, "INTERPRET_ON_CPU", True)
     model = _model(kv=True)
     kw = make_inputs(model, batch=2, per_sample_t=True, ref_tokens=3, **SMALL)
-    ref = _run(model, kw)
+    ref = run(model, kw)
     with bitfuse.accelerate(model), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        outs = [_run(model, kw) for _ in range(2)]
+        outs = [run(model, kw) for _ in range(2)]
     for out in outs:
         _assert_equal(out, ref)
     verified = {v.signature for v in policy.verdicts() if v.op == "gated_residual" and v.status == "verified"}
@@ -279,7 +256,7 @@ def test_compile_sees_the_plain_expressions():
     torch._dynamo.reset()
     model = _model(torch.bfloat16)
     kw = make_inputs(model, batch=2, per_sample_t=True, **SMALL)
-    ref = _run(model, kw)
+    ref = run(model, kw)
     graphs = []
 
     def backend(gm, example_inputs):
@@ -287,7 +264,7 @@ def test_compile_sees_the_plain_expressions():
         return gm.forward
 
     with bitfuse.accelerate(model):
-        _assert_equal(_run(torch.compile(model, fullgraph=True, backend=backend), kw), ref)
+        _assert_equal(run(torch.compile(model, fullgraph=True, backend=backend), kw), ref)
     code = "\n".join(g.code for g in graphs)
     assert len(graphs) == 1 and "layer_norm" in code and "bitfuse" not in code
     torch._dynamo.reset()
@@ -297,9 +274,9 @@ def test_compile_with_graph_breaks_equals_stock():
     torch._dynamo.reset()
     model = _model(torch.bfloat16, kv=True)
     kw = make_inputs(model, batch=2, per_sample_t=True, ref_tokens=3, **SMALL)
-    ref = _run(model, kw)
+    ref = run(model, kw)
     with bitfuse.accelerate(model):
-        _assert_equal(_run(torch.compile(model, fullgraph=False, backend="eager"), kw), ref)
+        _assert_equal(run(torch.compile(model, fullgraph=False, backend="eager"), kw), ref)
     torch._dynamo.reset()
 
 
@@ -309,12 +286,12 @@ def test_compile_with_graph_breaks_equals_stock():
 def test_a_pipeline_stand_in_is_unwrapped():
     model = _model()
     kw = make_inputs(model, batch=1, **SMALL)
-    ref = _run(model, kw)
+    ref = run(model, kw)
     pipe = types.SimpleNamespace(transformer=model)
     with bitfuse.accelerate(pipe) as handle:
         assert handle.model is model and handle.pipeline is pipe and isinstance(handle, flux2.Flux2Handle)
-        _assert_equal(_run(model, kw), ref)
-    assert _is_stock(model) and models.integration_for(model) is flux2
+        _assert_equal(run(model, kw), ref)
+    assert is_stock(model) and models.integration_for(model) is flux2
 
 
 def test_flux2_pipeline_output_is_bit_identical():
@@ -348,7 +325,7 @@ def test_refuses_a_changed_diffusers_source(monkeypatch):
     monkeypatch.setitem(flux2.VERIFIED_SOURCES, "Flux2TransformerBlock.forward", "0" * 64)
     with pytest.raises(UnsupportedVersionError, match="Flux2TransformerBlock.forward differs"):
         bitfuse.accelerate(model)
-    assert _is_stock(model)
+    assert is_stock(model)
 
 
 def test_installed_diffusers_is_the_verified_one():
@@ -364,10 +341,10 @@ def test_cuda_graphs_wrap_and_restore():
 
     model = _model(kv=True)
     cases = [make_inputs(model, batch=2, per_sample_t=True, ref_tokens=3, seed=s, **SMALL) for s in range(3)]
-    refs = [_run(model, kw) for kw in cases]
+    refs = [run(model, kw) for kw in cases]
     backend = graphs.EmulatedGraphBackend()
     with bitfuse.accelerate(model, cuda_graphs=True, backend=backend, warmup=1) as handle:
         for kw, ref in zip(cases, refs):
-            _assert_equal(_run(model, kw), ref)
+            _assert_equal(run(model, kw), ref)
         assert backend.captures == 1 and backend.replays == 3
-    assert handle.graphs is None and _is_stock(model)
+    assert handle.graphs is None and is_stock(model)
