@@ -39,7 +39,7 @@ from .ops import (
     rms_norm_modulate,
     rotary,
 )
-from .ops._params import Folded, permuted, value, value32
+from .ops._params import Folded, value, value32
 
 _MODULATE = modulate.SPEC
 _GATED_RESIDUAL = gated_residual.SPEC
@@ -148,21 +148,13 @@ def modulate_site(x, scale, shift):
     return policy.gated(_MODULATE, "lossless", plan, (x, scale, shift))
 
 
-def gated_residual_site(x, y, gate, *, keep_layout: bool = False):
+def gated_residual_site(x, y, gate):
     """`x + y * gate` (also `x + gate * y`: the product commutes bitwise), bit-exact
     in every tier. x, y: the same shape [B, S, D] or [N, D]; gate broadcasts to it
-    (or Folded). Returns a tensor of x's shape and dtype, row-major.
-
-    Eager's result is laid out as x: where x is a transposed view (a patch
-    embedding's `flatten(2).transpose(1, 2)`), the values are the same but the layout
-    is not, which matters only if a GEMM or a convolution reads the result directly
-    (it picks its algorithm, and its bits, by layout). `keep_layout=True` says one
-    does: a permuted x then takes eager (Sana's first block, whose cross-attention
-    reads the residual straight into `to_q`)."""
+    (or Folded). Returns a tensor of x's shape and dtype, laid out as eager's (a
+    permuted x, whose eager result keeps its layout, takes eager)."""
     if _plain():
         return x + y * value(gate)
-    if keep_layout and permuted(x):
-        return gated_residual.gated_residual_reference(x, y, gate)
     plan = gated_residual.plan_gated_residual(x, y, gate)
     if plan.__class__ is str:
         return gated_residual.gated_residual_reference(x, y, gate)

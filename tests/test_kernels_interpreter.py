@@ -125,6 +125,28 @@ def test_guard_reasons():
     assert G.plan_gated_residual(x, x, "gate") == "operand is not a tensor"
 
 
+def test_a_permuted_x_takes_eager(monkeypatch):
+    """Eager's pointwise result is laid out as x (TensorIterator follows its first
+    operand); the kernels write row-major. So a transposed x (Sana's patch-embedding
+    output in its first block) takes eager, and a padded row-major
+    one (a slice) keeps the kernel. Found on Sana: the same values in another layout
+    sent a GEMM downstream to other bits."""
+    monkeypatch.setattr(_params, "INTERPRET_ON_CPU", True)
+    B, S, D = 2, 5, 8
+    permuted = torch.randn(B, D, S).transpose(1, 2)
+    padded = torch.randn(B, S, D + 4)[..., :D]
+    p = torch.randn(B, 6, D).chunk(6, dim=1)[0]
+    y = torch.randn(B, S, D)
+    assert _params.permuted(permuted) and not _params.permuted(padded) and not _params.permuted(y)
+    assert (permuted * (1 + p) + p).stride() == permuted.stride() != y.stride()  # eager keeps x's layout
+    for plan in (M.plan_modulate(permuted, p, p), G.plan_gated_residual(permuted, y, p),
+                 G.plan_gated_residual_f32(permuted, y, p.float())):
+        assert plan.__class__ is str and "permuted" in plan
+    for plan in (M.plan_modulate(padded, p, p), G.plan_gated_residual(padded, y, p),
+                 G.plan_gated_residual(y, permuted, p)):  # y's layout does not decide eager's
+        assert plan.__class__ is not str, plan
+
+
 @pytest.mark.parametrize("T", [1, 7])
 def test_folded_parameters_equal_the_materialised_sum(T):
     """Folded(table row, temb view), as LTX-2's get_mod_params makes them: the kernels add

@@ -39,9 +39,10 @@ first-sight outputs were row-major where eager's are channels-last (sending the 
 depthwise convolution to another aten backend; the gate now hands on eager's own
 result where the layouts differ), and the first block's gated residual wrote
 row-major where eager's result keeps the layout of x, the patch embedding's
-transposed view, which the cross-attention's `to_q` GEMM then reads (that residual
-now passes `keep_layout=True`: a permuted x takes eager). Neither was confirmed on a GPU this session, and a
-silently different tensor is the one thing bitfuse must never produce. So the model integration leaves GLUMBConv stock
+transposed view, which the cross-attention's `to_q` GEMM then reads (the pointwise
+planners now send a permuted x to eager). Neither was confirmed on a GPU this
+session, and a silently different tensor is the one thing bitfuse must never
+produce. So the model integration leaves GLUMBConv stock
 until a GPU run of the full model proves the routing (the routed copy of
 `GLUMBConv.forward` is in this file's git history). `ops.conv_epilogue` and the two
 sites stay available as gated op-level functions (their op-level GPU tests passed:
@@ -113,8 +114,7 @@ def _block_forward(
 
     attn_output = self.attn1(norm_hidden_states)
     # diffusers: hidden_states = hidden_states + gate_msa * attn_output
-    # bitfuse: keep_layout: the cross-attention's to_q reads this result straight into a GEMM
-    hidden_states = sites.gated_residual_site(hidden_states, attn_output, gate_msa, keep_layout=True)
+    hidden_states = sites.gated_residual_site(hidden_states, attn_output, gate_msa)
 
     # 3. Cross Attention
     if self.attn2 is not None:

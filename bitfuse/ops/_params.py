@@ -52,10 +52,9 @@ def permuted(t: torch.Tensor) -> bool:
     """Whether `t`'s dimensions of size > 1, taken left to right, do not have
     non-increasing strides (a transposed or permuted view). Eager's pointwise result
     then takes `t`'s layout (TensorIterator lays its output out as its first operand),
-    where the row kernels write row-major: the same values in another layout. That is
-    harmless where a norm or another pointwise op reads the result next, and changes
-    the bits where a GEMM or a convolution reads it (they pick their algorithm by
-    layout): `sites.gated_residual_site(..., keep_layout=True)`."""
+    where the row kernels write row-major: the same values in another layout, which a
+    GEMM or a convolution reading the result picks its algorithm (and its bits) by.
+    The pointwise planners send such an x to eager."""
     last = None
     for size, stride in zip(t.shape, t.stride()):
         if size == 1:

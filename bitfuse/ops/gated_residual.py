@@ -38,6 +38,7 @@ from ._params import (
     launch_shape,
     layout_class,
     load_row_param,
+    permuted,
     pointwise_tile,
     rows_of,
     table_of,
@@ -181,6 +182,8 @@ def _geometry_of(x, y, gate, table=None, wide=None, f32=False):
         return f"x must be 2-D or 3-D, got {x.dim()}-D"
     if x.numel() == 0:
         return "empty tensor"
+    if permuted(x):
+        return "x is a permuted view: eager's result keeps its layout, the kernel writes row-major"
     if y.shape != x.shape:
         return "y must have x's shape"
     g = broadcast_strides(gate, x.shape)

@@ -42,6 +42,7 @@ from ._params import (
     launch_shape,
     layout_class,
     load_row_param,
+    permuted,
     pointwise_tile,
     rows_of,
     tables_of,
@@ -143,6 +144,8 @@ def _geometry_of(x, scale, shift, scale_table=None, shift_table=None, wide=None)
         return f"x must be 2-D or 3-D, got {x.dim()}-D"
     if x.numel() == 0:
         return "empty tensor"
+    if permuted(x):
+        return "x is a permuted view: eager's result keeps its layout, the kernel writes row-major"
     c = broadcast_strides(scale, x.shape)
     h = broadcast_strides(shift, x.shape)
     if c is None or h is None:
