@@ -236,6 +236,8 @@ def _verify(key, spec: OpSpec, tier: str, plan, args: tuple, fallback):
             return out if _same_layout(out, ref) else ref
         _record(key, "mismatch", why)
         return ref if fallback is None else fallback(*args)
+
+
 def state(spec: OpSpec, tier: str, plan) -> bool | None:
     """The gate's state for a call's signature: True (verified: the kernel runs),
     False (disabled: eager runs), None (not seen yet)."""

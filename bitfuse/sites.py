@@ -319,7 +319,7 @@ def qk_norm_rope_site(norm_q, norm_k, query, key, query_freqs, key_freqs, rope_t
             _check_freqs("key_freqs", key_freqs)
         query_freqs, key_freqs = tuple(query_freqs), tuple(key_freqs)
         if rope_type not in _ROTARY and rope_type != "wan":
-            raise ValueError(f"unknown rope_type {rope_type!r}; choose one of {', '.join(_ROTARY)}")
+            raise ValueError(f"unknown rope_type {rope_type!r}; choose one of {', '.join([*_ROTARY, 'wan'])}")
     elif key_freqs is not None:
         raise ValueError("qk_norm_rope_site: key_freqs given without query_freqs")
     else:
