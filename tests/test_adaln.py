@@ -255,6 +255,3 @@ def test_models_with_an_integration_of_their_own_take_it():
             assert type(handle).__module__ == module.__name__
     assert models.integration_for(_toy()) is adaln
 
-
-def test_installed_diffusers_is_the_verified_one():
-    assert adaln.SOURCES.check() == []

@@ -24,6 +24,7 @@ import difflib
 import inspect
 import re
 import textwrap
+import warnings
 
 import pytest
 
@@ -131,6 +132,16 @@ def test_every_model_declares_pinned_copies():
         assert set(copies) <= set(module.SOURCES.sha256) == set(module.SOURCES.stock())
         found += len(copies)
     assert found >= 6  # LTX-2: block, model, video coords, attention, two processors
+
+
+@pytest.mark.parametrize("name", sorted(models._REGISTRY))
+def test_installed_diffusers_is_the_verified_one(name):
+    """Fails when the installed diffusers' code behind an integration changes (its sha256
+    pins): re-verify and re-copy then."""
+    module = _integrations()[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert module.SOURCES.check() == []
 
 
 # ---------------------------------------------------------------- the rule itself

