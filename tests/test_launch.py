@@ -47,10 +47,8 @@ def test_next_pow2_matches_the_definition():
 class FakeTensor:
     """What FastLaunch reads from an operand: its address, device and dtype."""
 
-    dtype = "bf16"
-
-    def __init__(self, ptr, device=0):
-        self.ptr, self.device = ptr, device
+    def __init__(self, ptr, device=0, dtype="bf16"):
+        self.ptr, self.device, self.dtype = ptr, device, dtype
 
     def data_ptr(self):
         return self.ptr
@@ -138,3 +136,27 @@ def test_operands_on_another_device_launch_under_that_device(monkeypatch):
     assert seen == [(1, 7), (1, 7)]
     launcher.launch(recipe, (FakeTensor(4096, device=0),))  # the current device: no switch
     assert cuda.entered == [1, 1, 1]
+
+
+def test_an_operand_of_another_dtype_compiles_its_own_kernel(monkeypatch):
+    """Triton specializes each pointer on its element type: the same integers and
+    alignments with a weight of another dtype must not replay the kernel compiled for
+    the first (it did, for x bf16 with fp32 then bf16 weights: the fuzz run's silent
+    differences in layer_norm_f32, 2026-12-01), on either launch path."""
+    FakeCuda(monkeypatch)
+    launch_core._C_LAUNCH_OK.clear()
+    kernel = FakeKernel()
+    launcher = launch_core.FastLaunch(kernel, ("BLOCK",))
+    launcher.direct = True
+    fp32_weight = (FakeTensor(4096), FakeTensor(8192, dtype="fp32"))
+    bf16_weight = (FakeTensor(4096), FakeTensor(8192, dtype="bf16"))
+    launcher((1, 1, 1), fp32_weight, (5,), (128,), 4)
+    launcher((1, 1, 1), bf16_weight, (5,), (128,), 4)
+    assert [call[1][1].dtype for call in kernel.calls] == ["fp32", "bf16"]  # both through Triton
+    launcher((1, 1, 1), bf16_weight, (5,), (128,), 4)  # then each directly
+    launcher((1, 1, 1), fp32_weight, (5,), (128,), 4)
+    assert len(kernel.calls) == 2 and len(kernel.launched) == 2
+    recipe = launch_core.Recipe((1, 1, 1), (6,), (128,), 4)
+    launcher.launch(recipe, fp32_weight)
+    launcher.launch(recipe, bf16_weight)
+    assert [call[1][1].dtype for call in kernel.calls[2:]] == ["fp32", "bf16"] and len(recipe.entries) == 2

@@ -119,8 +119,10 @@ class FastLaunch:
     launch (~10 us of host time for a kernel with 17 arguments). The first call
     with a given key goes through it and keeps the compiled kernel; later calls
     with the same key launch that kernel directly. The key holds every integer
-    argument's value and every pointer's 16-byte alignment, which determine
-    Triton's specialization, so a replayed kernel is the one Triton would pick.
+    argument's value and every pointer's element type and 16-byte alignment, which
+    determine Triton's specialization, so a replayed kernel is the one Triton would
+    pick (a key without the element types once replayed a kernel compiled for fp32
+    weights on bf16 ones: tests/test_launch.py).
     Launch hooks (a Python profiler such as Proton) installed when a key is first
     launched keep that key on Triton's own path, so the hooks see every call.
 
@@ -151,7 +153,7 @@ class FastLaunch:
             with torch.cuda.device(device):
                 return self(grid, tensors, ints, consts, num_warps)
         ptrs = [t.data_ptr() for t in tensors]
-        key = (tuple([p & 15 == 0 for p in ptrs]), ints, consts, num_warps, tensors[0].dtype, device)
+        key = (_pointer_types(tensors, ptrs), ints, consts, num_warps, device)
         entry = self.compiled.get(key)
         if entry is None:
             self._first(key, grid, tensors, ints, consts, num_warps)
@@ -171,10 +173,10 @@ class FastLaunch:
             with torch.cuda.device(device):
                 return self.launch(recipe, tensors)
         ptrs = [t.data_ptr() for t in tensors]
-        aligned = tuple([p & 15 == 0 for p in ptrs])
+        aligned = _pointer_types(tensors, ptrs)
         entry = recipe.entries.get(aligned)
         if entry is None:
-            key = (aligned, recipe.ints, recipe.consts, recipe.num_warps, tensors[0].dtype, device)
+            key = (aligned, recipe.ints, recipe.consts, recipe.num_warps, device)
             entry = self.compiled.get(key)
             if entry is None:
                 self._first(key, recipe.grid, tensors, recipe.ints, recipe.consts, recipe.num_warps)
@@ -209,6 +211,12 @@ class FastLaunch:
             if len(self.compiled) >= self.MAX_KEYS:
                 self.compiled.clear()
             self.compiled[key] = entry
+
+
+def _pointer_types(tensors, ptrs) -> tuple:
+    """What Triton specializes a kernel's pointer arguments on: each one's element type
+    (the kernel loads and stores that type) and its 16-byte alignment."""
+    return tuple([(t.dtype, p & 15 == 0) for t, p in zip(tensors, ptrs)])
 
 
 def _c_launch(run):

@@ -6,8 +6,11 @@ import dataclasses
 import os
 
 import pytest
+import torch
 
-from bitfuse import fuzz
+from bitfuse import fuzz, policy
+from bitfuse.numerics import same_bits
+from bitfuse.ops import SPECS, cases
 
 pytestmark = pytest.mark.gpu
 
@@ -33,6 +36,20 @@ def test_regression(seed, index):
     fuzz.run_case(dataclasses.replace(fc, case=dataclasses.replace(fc.case, data="randn")), tally)
     fuzz.run_case(fc, tally)
     assert tally.silent == [], tally.silent
+
+
+def test_regression_operand_dtype_is_part_of_the_launch_key():
+    """Fuzz seed 0, cases 3061, 3469, 4877, ... (2026-12-01): layer_norm_f32 with x of one
+    dtype and D=5120 verified with fp32 weights, then served bf16 weights with the kernel
+    compiled for fp32 ones (FastLaunch's key held only x's dtype): whole rows differed,
+    silently. Both weight dtypes, alternating, at one geometry, each bitwise eager."""
+    spec = SPECS["layer_norm_f32"]
+    for i, layout in enumerate(("fp32", "bf16", "fp32", "bf16")):
+        args = spec.make_args(cases.Case(1, 1031, 5120, torch.bfloat16, layout, "randn", seed=i, device="cuda"))
+        plan = spec.plan(*args)
+        assert plan.__class__ is not str, plan
+        assert same_bits(policy.gated(spec, "lossless", plan, args), spec.reference(*args)), layout
+        assert policy.state(spec, "lossless", plan) is True, layout
 
 
 def test_fuzz_run_has_no_silent_difference():
