@@ -42,8 +42,9 @@ without the divisions, count shuffles and tests (a quarter of the kernel's
 instructions; timings in bench/results/ops-*.json).
 Both kernels write their output with streaming stores, as rms_norm_modulate's do.
 
-HIGH TIER (bf16/fp16): one pass, x read once, mean and variance in fp32 from
-registers (two passes over the registers, no Welford), then n * (1 + scale) +
+HIGH TIER (bf16/fp16): one pass, x read once, the mean and x - mean in float64
+then the variance in fp32, from registers (two passes over the registers, no
+Welford), then n * (1 + scale) +
 shift in fp32, rounded once: within 0.5 ULP of the float64 value at the scale
 of the modulate's terms (see rms_norm_modulate).
 
@@ -343,9 +344,13 @@ def _layer_norm_modulate_high_kernel(
         eviction_policy="evict_first",
     ).to(tl.float32)
     sc = overflow_scale(x)
-    xs = x * sc[:, None]  # (x - mean) * rstd is invariant under the power-of-two scale
-    mean = tl.sum(xs, axis=1) * inv_d
-    xc = tl.where(m, xs - mean[:, None], 0.0)
+    xs = (x * sc[:, None]).to(tl.float64)  # (x - mean) * rstd is invariant under the power-of-two scale
+    # the mean and x - mean in float64, then rounded to fp32 once: an fp32 mean is off by
+    # about 2**-24 of the row's sum of |x|, which is many ULPs of a centred value near zero
+    # where the shift is zero (fuzz seed 0 case 8607: 4.75 ULP); the extra float64 adds cost
+    # nothing in this memory-bound kernel
+    mean = tl.sum(xs, axis=1) / D
+    xc = tl.where(m, (xs - mean[:, None]).to(tl.float32), 0.0)
     rstd = tl.math.rsqrt(tl.sum(xc * xc, axis=1) * inv_d + eps * sc * sc)
     scale = tl.load(scale_ptr + ((b * c_sb + s * c_ss)[:, None] + cols[None, :] * c_sd), mask=m, other=0.0)
     shift = tl.load(shift_ptr + ((b * h_sb + s * h_ss)[:, None] + cols[None, :] * h_sd), mask=m, other=0.0)
