@@ -1,10 +1,12 @@
-"""Sana (diffusers `SanaTransformer2DModel`): the adaLN sites routed through bitfuse.
+"""Sana (diffusers `SanaTransformer2DModel`): adaLN sites and the GLUMBConv epilogues routed through bitfuse.
 
 diffusers computes Sana's adaLN in `SanaTransformerBlock.forward` (adaLN-single: one
 timestep embedding [B, 6D] for all blocks, added to each block's `scale_shift_table`)
-and in the head `SanaModulatedNorm.forward`. This module carries faithful copies of
-those two forwards, line for line from diffusers 0.42.1, each replaced line kept above
-its replacement as a `# diffusers:` comment (tests/test_copies.py checks the copies):
+and in the head `SanaModulatedNorm.forward`; the feed-forward is `GLUMBConv`
+(1x1 convolution, SiLU, 3x3 depthwise convolution, gated SiLU, 1x1 convolution). This
+module carries faithful copies of the three forwards, line for line from diffusers
+0.42.1, each replaced line kept above its replacement as a `# diffusers:` comment
+(tests/test_copies.py checks the copies):
 
     norm1(x) * (1 + scale_msa) + shift_msa        -> sites.layer_norm_modulate_site(block, norm1, x, ...)
     norm2(x) * (1 + scale_mlp) + shift_mlp        -> sites.layer_norm_modulate_site(block, norm2, x, ...)
@@ -12,6 +14,8 @@ its replacement as a `# diffusers:` comment (tests/test_copies.py checks the cop
     x + gate_mlp * ff_output                      -> sites.gated_residual_site(x, ff_output, gate_mlp)
                                                      (products commute bitwise)
     norm_out: norm(x) * (1 + scale) + shift       -> sites.layer_norm_modulate_site(norm_out, norm, x, ...)
+    GLUMBConv: nonlinearity(conv_inverted(x))     -> sites.conv_bias_silu_site(conv_inverted, nonlinearity, x)
+               conv_depth, chunk(2), h * silu(g)  -> sites.conv_bias_glu_site(conv_depth, nonlinearity, x)
 
 The norms are `nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)` (norm2 takes the
 config's `norm_elementwise_affine`, False in every released Sana), each output
@@ -24,29 +28,26 @@ The parameters: `scale_shift_table[None] + timestep.reshape(B, 6, D)` is materia
 as diffusers does ([B, 6, D], a few kilobytes) and `chunk(6, dim=1)` gives [B, 1, D]
 views, samples 6D apart, read in place by the kernels; the head's likewise ([B, 2, D]).
 
-The feed-forward, `GLUMBConv` (1x1 convolution, SiLU, 3x3 depthwise convolution, gated
-SiLU, 1x1 convolution), runs as diffusers runs it: its forward is not replaced. Its
-input is the modulated tokens [B, H*W, D] viewed as NCHW (`unflatten(1, (H, W))
-.permute(0, 3, 1, 2)`, no copy), a channels-last layout the norm2 site's output keeps
-(it has eager's strides), so cuDNN sees what it sees in eager.
+The feed-forward's activations are the modulated tokens [B, H*W, D] viewed as NCHW
+(`unflatten(1, (H, W)).permute(0, 3, 1, 2)`, no copy): a channels-last layout that
+every convolution of GLUMBConv keeps, and that the epilogue kernels keep too (their
+outputs take eager's strides), so `ff_output.flatten(2, 3).permute(0, 2, 1)` is again a
+[B, H*W, D] view and the patch-token layout is materialised once, as in eager. cuDNN
+runs every convolution (channels-last input), and eager adds both biases as separate
+ops after it; the sites run the convolutions without their bias and the bias add, the
+SiLU (and the gate's product) in one kernel each (`ops.conv_epilogue`, where the
+backend question is written up), every choice verified at first sight against the
+stock expression.
 
-Why the convolution epilogues are not routed: with GLUMBConv's two epilogues routed
-(`sites.conv_bias_silu_site`, `sites.conv_bias_glu_site`), the full Sana 1.6B (20
-layers, B=2, 1024 x 1024) in lossless differed from stock diffusers on the H200 in
-44,572 of 65,536 output elements, in every steady-state round, while every gate
-verdict said "verified". Two layout mechanisms were found by reading, both now fixed:
-first-sight outputs were row-major where eager's are channels-last (sending the next
-depthwise convolution to another aten backend; the gate now hands on eager's own
-result where the layouts differ), and the first block's gated residual wrote
-row-major where eager's result keeps the layout of x, the patch embedding's
-transposed view, which the cross-attention's `to_q` GEMM then reads (the pointwise
-planners now send a permuted x to eager). Neither was confirmed on a GPU this
-session, and a silently different tensor is the one thing bitfuse must never
-produce. So the model integration leaves GLUMBConv stock
-until a GPU run of the full model proves the routing (the routed copy of
-`GLUMBConv.forward` is in this file's git history). `ops.conv_epilogue` and the two
-sites stay available as gated op-level functions (their op-level GPU tests passed:
-every 16-bit SiLU input, every data draw, the bias split; tests/gpu/test_sana_gpu.py).
+Layouts are part of exactness here. A first version of this routing differed from
+stock on the H200 (44,572 of 65,536 output elements, every verdict "verified"): the
+gate's first sight handed on its row-major check buffer where eager's result is
+channels-last (the next depthwise convolution then took another aten backend, with
+other bits), and the first block's gated residual wrote row-major where eager's result
+keeps the patch embedding's transposed layout. The gate now hands on eager's own result
+wherever the layouts differ and the pointwise planners send a permuted x to eager;
+with both, the full Sana 1.6B (20 layers, B=2, 1024 x 1024) is bitwise stock in every
+call (tests/gpu/test_sana_gpu.py, bench/results/sana-*.json).
 
 Attention (linear self-attention, cross-attention, SANA 1.5's query/key RMSNorm) and
 everything else run as diffusers runs them.
@@ -58,6 +59,7 @@ function (`SOURCES`), and refuses otherwise unless `force=True`.
 
 import torch
 from diffusers.models.transformers.sana_transformer import (
+    GLUMBConv,
     SanaModulatedNorm,
     SanaTransformer2DModel,
     SanaTransformerBlock,
@@ -73,6 +75,7 @@ __all__ = ["COPIES", "SOURCES", "VERIFIED_SOURCES", "accelerate", "stock_functio
 #: sha256 of `inspect.getsource` of each diffusers function copied here, as shipped in 0.42.1
 VERIFIED_SOURCES = {
     "SanaTransformerBlock.forward": "9a3e8db8963efea2640f6c87b42e718021238fb37c0eb128c3198fca2c150923",
+    "GLUMBConv.forward": "841b583fd67676d3c6b992c4402a0a7d4c0e4245e4ae4d1766f0d029c2ef65aa",
     "SanaModulatedNorm.forward": "94f79629b4f9f9f33c9dd24ff2758a3ba2300668880b0a109f79f48c6aae7c80",
 }
 
@@ -81,6 +84,7 @@ def stock_functions() -> dict:
     """The installed diffusers function behind each name of VERIFIED_SOURCES."""
     return {
         "SanaTransformerBlock.forward": SanaTransformerBlock.forward,
+        "GLUMBConv.forward": GLUMBConv.forward,
         "SanaModulatedNorm.forward": SanaModulatedNorm.forward,
     }
 
@@ -139,6 +143,32 @@ def _block_forward(
     return hidden_states
 
 
+def _glumbconv_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """diffusers 0.42.1 `GLUMBConv.forward`, the two convolution epilogues through bitfuse."""
+    if self.residual_connection:
+        residual = hidden_states
+
+    # diffusers: hidden_states = self.conv_inverted(hidden_states)
+    # diffusers: hidden_states = self.nonlinearity(hidden_states)
+    hidden_states = sites.conv_bias_silu_site(self.conv_inverted, self.nonlinearity, hidden_states)
+
+    # diffusers: hidden_states = self.conv_depth(hidden_states)
+    # diffusers: hidden_states, gate = torch.chunk(hidden_states, 2, dim=1)
+    # diffusers: hidden_states = hidden_states * self.nonlinearity(gate)
+    hidden_states = sites.conv_bias_glu_site(self.conv_depth, self.nonlinearity, hidden_states)
+
+    hidden_states = self.conv_point(hidden_states)
+
+    if self.norm_type == "rms_norm":
+        # move channel to the last dimension so we apply RMSnorm across channel dimension
+        hidden_states = self.norm(hidden_states.movedim(1, -1)).movedim(-1, 1)
+
+    if self.residual_connection:
+        hidden_states = hidden_states + residual
+
+    return hidden_states
+
+
 def _modulated_norm_forward(
     self, hidden_states: torch.Tensor, temb: torch.Tensor, scale_shift_table: torch.Tensor
 ) -> torch.Tensor:
@@ -154,6 +184,7 @@ def _modulated_norm_forward(
 #: stock class -> our copy of its forward
 FORWARDS = {
     SanaTransformerBlock: _block_forward,
+    GLUMBConv: _glumbconv_forward,
     SanaModulatedNorm: _modulated_norm_forward,
 }
 
@@ -176,10 +207,10 @@ def _sites(model) -> list:
 
 def accelerate(model, *, quality: str = "lossless", force: bool = False) -> _install.Handle:
     """Install bitfuse's faithful forwards on `model` (a `SanaTransformer2DModel`): its
-    blocks and its `norm_out` (the GLUMBConv feed-forwards keep diffusers' forward);
-    mark them as sites and mount `quality` (all or nothing). Returns the handle; called
-    again with the same quality, the existing one. See `_install.accelerate` for the
-    errors."""
+    blocks, their GLUMBConv feed-forwards and its `norm_out`; mark the blocks and the
+    head as sites and mount `quality` (all or nothing; the convolution epilogues are
+    exact in every tier). Returns the handle; called again with the same quality, the
+    existing one. See `_install.accelerate` for the errors."""
     return _install.accelerate(
         model,
         _install.Handle,
