@@ -2,17 +2,18 @@
 
 On CPU every site falls back to its eager expression, so bitwise equality between
 the accelerated and the stock model (built from the same seed) checks that
-bitfuse's copies of the block forward and the head compute exactly what diffusers
-computes, with every adaLN site routed through bitfuse (counted below) and GLUMBConv
-left as diffusers runs it (its convolution epilogues are not routed: see
-bitfuse/models/sana.py). One test runs the real kernels through the gate in Triton's
-interpreter."""
+bitfuse's copies of the block forward, GLUMBConv and the head compute exactly what
+diffusers computes, with every adaLN site and both convolution epilogues of GLUMBConv
+(conv_bias_silu_site, conv_bias_glu_site) routed through bitfuse (counted below). One
+test runs the real kernels through the gate in Triton's interpreter."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import os
+import re
 import threading
 import types
 import warnings
@@ -182,8 +183,8 @@ def _recording_sites(monkeypatch):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_site_is_routed(monkeypatch, variant):
     """Per block: 2 norm + modulate sites (before self-attention and the FF), 2 gated
-    residuals; the head: 1 norm + modulate site. Nothing else: no convolution epilogue
-    site (GLUMBConv runs stock)."""
+    residuals, the two convolution epilogues of GLUMBConv (with its own modules); the head:
+    1 norm + modulate site. Nothing else."""
     model = _model(variant)
     kw = _inputs(model, 2, text_lengths=[7, 5])
     ref = run(model, kw)
@@ -195,18 +196,25 @@ def test_every_site_is_routed(monkeypatch, variant):
     counts = {}
     for r in records:
         counts[r["site"]] = counts.get(r["site"], 0) + 1
-    assert counts == {"layer_norm_modulate_site": 2 * n + 1, "gated_residual_site": 2 * n}
+    assert counts == {"layer_norm_modulate_site": 2 * n + 1, "gated_residual_site": 2 * n,
+                      "conv_bias_silu_site": n, "conv_bias_glu_site": n}
     names = {r["name"] for r in records if r["site"] == "layer_norm_modulate_site"}
     assert names == {"norm_out"} | {f"transformer_blocks.{i}" for i in range(n)}
+    ffs = [b.ff for b in model.transformer_blocks]
+    assert [r["modules"] for r in records if r["site"] == "conv_bias_silu_site"] == [
+        (ff.conv_inverted, ff.nonlinearity) for ff in ffs]
+    assert [r["modules"] for r in records if r["site"] == "conv_bias_glu_site"] == [
+        (ff.conv_depth, ff.nonlinearity) for ff in ffs]
     assert_same(out, ref)
 
 
 def _ff_layouts(model, kw) -> list:
-    """(shape, strides) of the input of each GLUMBConv and of its depthwise convolution,
+    """(shape, strides) of the input of each GLUMBConv, of its depthwise convolution (the
+    SiLU epilogue's output) and of its pointwise convolution (the GLU epilogue's output),
     in call order, over one forward."""
     seen = []
     hooks = [m.register_forward_pre_hook(lambda m, args: seen.append((tuple(args[0].shape), args[0].stride())))
-             for b in model.transformer_blocks for m in (b.ff, b.ff.conv_depth)]
+             for b in model.transformer_blocks for m in (b.ff, b.ff.conv_depth, b.ff.conv_point)]
     try:
         run(model, kw)
     finally:
@@ -217,9 +225,11 @@ def _ff_layouts(model, kw) -> list:
 
 def test_parameters_and_the_ff_layout_reach_the_sites_as_eager_builds_them(monkeypatch):
     """Every scale/shift/gate is a [B, 1, D] view of the [B, 6, D] (head: [B, 2, D]) sum,
-    read in place; the (stock) FF's input is the norm2 site's modulated tokens viewed as
-    channels-last NCHW (no copy), as in eager, and the depthwise convolution's input keeps
-    that layout (cuDNN sees what it sees in eager)."""
+    read in place; the FF's input, which the SiLU epilogue site receives, is the norm2
+    site's modulated tokens viewed as channels-last NCHW (no copy), as in eager; the GLU
+    epilogue site's input (the depthwise convolution's) keeps that layout, and so does its
+    output (the pointwise convolution's input): every convolution sees the layout it sees
+    in eager (cuDNN's backend choice depends on it)."""
     model = _model("1.0")
     B, D = 2, model.config.num_attention_heads * model.config.attention_head_dim
     kw = _inputs(model, B)
@@ -230,40 +240,33 @@ def test_parameters_and_the_ff_layout_reach_the_sites_as_eager_builds_them(monke
     view = ((B, 1, D), True, False)
     assert {p for r in records if r["site"] != "gated_residual_site" for p in r["params"]} == {view}
     assert {p for r in records if r["site"] == "gated_residual_site" for p in r["params"]} == {view}
+    n = len(model.transformer_blocks)
     C = model.transformer_blocks[0].ff.conv_depth.in_channels
-    per_block = [((B, D, h, w), (h * w * D, 1, w * D, D)), ((B, C, h, w), (h * w * C, 1, w * C, C))]
-    assert layouts == stock_layouts == per_block * len(model.transformer_blocks)
+    silu_in, glu_in = ((B, D, h, w), (h * w * D, 1, w * D, D)), ((B, C, h, w), (h * w * C, 1, w * C, C))
+    assert [(r["x"], r["x_stride"]) for r in records if r["site"] == "conv_bias_silu_site"] == [silu_in] * n
+    assert [(r["x"], r["x_stride"]) for r in records if r["site"] == "conv_bias_glu_site"] == [glu_in] * n
+    glu_out = ((B, C // 2, h, w), (h * w * C // 2, 1, w * C // 2, C // 2))
+    assert layouts == stock_layouts == [silu_in, glu_in, glu_out] * n
 
 
-def test_glumbconv_runs_its_stock_forward_after_accelerate(monkeypatch):
-    """The convolution epilogues are not routed: accelerate installs no GLUMBConv forward
-    (nothing in any FF's __dict__, no GLUMBConv copy pinned), and every block's FF calls
-    the class's stock forward; a subclass overriding forward keeps its own, stock's bits."""
+def test_accelerate_installs_the_glumbconv_copy_and_an_override_keeps_its_forward():
+    """accelerate installs bitfuse's GLUMBConv copy (`sana._glumbconv_forward`, pinned by
+    its diffusers source) on every block's FF; a GLUMBConv subclass overriding forward
+    keeps its own (nothing installed on it), stock's bits."""
     from diffusers.models.transformers.sana_transformer import GLUMBConv
 
-    assert not any(k.startswith("GLUMBConv") for k in (*sana.VERIFIED_SOURCES, *sana.COPIES,
-                                                       *sana.stock_functions()))
-    assert GLUMBConv not in sana.FORWARDS
-    calls = []
-    stock = GLUMBConv.forward
-
-    def counted(self, hidden_states):
-        calls.append(self)
-        return stock(self, hidden_states)
-
-    monkeypatch.setattr(GLUMBConv, "forward", counted)
+    assert sana.FORWARDS[GLUMBConv] is sana._glumbconv_forward
+    assert sana.COPIES["GLUMBConv.forward"] is sana._glumbconv_forward
+    assert "GLUMBConv.forward" in sana.VERIFIED_SOURCES
+    assert sana.stock_functions()["GLUMBConv.forward"] is GLUMBConv.forward
     model = _model("1.0")
     kw = _inputs(model, 2)
     ref = run(model, kw)
     ffs = [b.ff for b in model.transformer_blocks]
-    assert calls == ffs
-    calls.clear()
     with bitfuse.accelerate(model):
-        assert not any("forward" in ff.__dict__ for ff in ffs)
-        assert all(ff.forward.__func__ is counted for ff in ffs)
-        out = run(model, kw)
-    assert calls == ffs
-    assert_same(out, ref)
+        assert all(ff.forward.__func__ is sana._glumbconv_forward for ff in ffs)
+        assert_same(run(model, kw), ref)
+    assert not any("forward" in ff.__dict__ for ff in ffs)
 
     class Scaled(GLUMBConv):
         def forward(self, hidden_states):
@@ -273,22 +276,23 @@ def test_glumbconv_runs_its_stock_forward_after_accelerate(monkeypatch):
     assert not same_bits(run(model, kw)[0], ref[0])  # the override matters
     with bitfuse.accelerate(model):
         assert "forward" not in model.transformer_blocks[1].ff.__dict__
+        assert model.transformer_blocks[1].ff.forward.__func__ is Scaled.forward
+        assert model.transformer_blocks[0].ff.forward.__func__ is sana._glumbconv_forward
     check_identity(model, [kw])
 
 
-def test_sites_change_the_output_when_they_change(monkeypatch):
-    """A control for the identity tests: perturb a routed site and the output moves;
-    perturb the (unrouted) convolution epilogue sites and it does not."""
+@pytest.mark.parametrize("name", ["conv_bias_silu_site", "conv_bias_glu_site", "gated_residual_site"])
+def test_sites_change_the_output_when_they_change(monkeypatch, name):
+    """A control for the identity tests: perturb one routed site (either convolution
+    epilogue of GLUMBConv, or the gated residual) and the output, stock's bits before,
+    moves."""
     model = _model("1.0")
     kw = _inputs(model, 2)
     ref = run(model, kw)
-    real = {name: getattr(sites, name) for name in ("gated_residual_site", "conv_bias_silu_site",
-                                                    "conv_bias_glu_site")}
+    real = getattr(sites, name)
     with bitfuse.accelerate(model):
-        monkeypatch.setattr(sites, "conv_bias_silu_site", lambda *a: real["conv_bias_silu_site"](*a) * 1.5)
-        monkeypatch.setattr(sites, "conv_bias_glu_site", lambda *a: real["conv_bias_glu_site"](*a) * 1.5)
         assert_same(run(model, kw), ref)
-        monkeypatch.setattr(sites, "gated_residual_site", lambda *a, **k: real["gated_residual_site"](*a, **k) * 1.5)
+        monkeypatch.setattr(sites, name, lambda *a, **k: real(*a, **k) * 1.5)
         out = run(model, kw)
     assert not same_bits(out[0], ref[0])
 
@@ -331,28 +335,42 @@ def test_quality_high_is_all_or_nothing():
 # ---------------------------------------------------------------- torch.compile
 
 
-def test_compile_traces_the_plain_expressions():
-    """Under torch.compile the sites emit diffusers' expressions: the traced graphs hold
-    aten's layer_norm, the (stock) FF's three convolutions, and no bitfuse op; the
-    compiled accelerated model equals stock."""
+def _compiled(model, kw) -> tuple:
+    """One forward of torch.compile(model): its output, and the calls (functions, methods,
+    modules) of the graphs it traced, counted by target."""
     torch._dynamo.reset()
-    model = _model("1.0", torch.bfloat16)
-    kw = _inputs(model, 2, text_lengths=[3, 7])
-    ref = run(model, kw)
     graphs = []
 
     def backend(gm, example_inputs):
         graphs.append(gm)
         return gm.forward
 
+    out = run(torch.compile(model, backend=backend), kw)
+    return out, collections.Counter(str(node.target) for gm in graphs for node in gm.graph.nodes
+                                    if node.op in ("call_function", "call_method", "call_module"))
+
+
+def test_compile_traces_the_plain_expressions():
+    """Under torch.compile the sites emit diffusers' expressions: the traced graphs hold
+    aten's layer_norm, each FF's convolutions with their bias and its SiLUs (the
+    convolution epilogue sites' plain `act(conv(x))` and `hidden * act(gate)`), and no
+    bitfuse op: the very calls stock's graphs hold; the compiled accelerated model equals
+    stock."""
+    model = _model("1.0", torch.bfloat16)
+    kw = _inputs(model, 2, text_lengths=[3, 7])
+    ref = run(model, kw)
     try:
+        stock_out, stock = _compiled(model, kw)
         with bitfuse.accelerate(model):
-            assert_same(run(torch.compile(model, backend=backend), kw), ref)
-        targets = [str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
+            out, ops = _compiled(model, kw)
+        assert_same(stock_out, ref)
+        assert_same(out, ref)
         n = len(model.transformer_blocks)
-        assert sum("layer_norm" in t for t in targets) == 2 * n + 1
-        assert sum("conv2d" in t for t in targets) == 3 * n + 1  # each FF's three, the patch embedding's
-        assert not any("bitfuse" in t for t in targets)
+        assert sum(c for t, c in ops.items() if "layer_norm" in t) == 2 * n + 1
+        assert sum(c for t, c in ops.items() if "conv2d" in t) == 3 * n + 1  # each FF's three, the patch embedding's
+        assert sum(c for t, c in ops.items() if "silu" in t) >= 2 * n  # each FF's two (+ the embeddings')
+        assert not any("bitfuse" in t for t in ops)
+        assert ops == stock
     finally:
         torch._dynamo.reset()
 
@@ -397,22 +415,25 @@ def test_restore_is_complete_and_idempotent():
     model = _model("1.0")
     handle = bitfuse.accelerate(model)
     assert model.transformer_blocks[0].forward.__func__ is sana._block_forward
-    assert "forward" not in model.transformer_blocks[0].ff.__dict__
+    assert model.transformer_blocks[0].ff.forward.__func__ is sana._glumbconv_forward
     assert model.norm_out.forward.__func__ is sana._modulated_norm_forward
     handle.restore()
+    assert "forward" not in model.transformer_blocks[0].ff.__dict__
     handle.restore()
     assert is_stock(model) and not handle.active
 
 
-def test_refuses_a_changed_diffusers_source(monkeypatch):
+@pytest.mark.parametrize("name", sorted(sana.VERIFIED_SOURCES))
+def test_refuses_a_changed_diffusers_source(monkeypatch, name):
+    """Each copied function is pinned (the block's, GLUMBConv's and the head's forward)."""
     model = _model("1.0")
-    monkeypatch.setitem(sana.VERIFIED_SOURCES, "SanaModulatedNorm.forward", "0" * 64)
-    with pytest.raises(UnsupportedVersionError, match=r"SanaModulatedNorm\.forward differs"):
+    monkeypatch.setitem(sana.VERIFIED_SOURCES, name, "0" * 64)
+    with pytest.raises(UnsupportedVersionError, match=rf"{re.escape(name)} differs"):
         bitfuse.accelerate(model)
     assert is_stock(model)
     with pytest.warns(UserWarning, match="differs"):
         bitfuse.accelerate(model, force=True).restore()
-
+    assert is_stock(model)
 
 
 # ---------------------------------------------------------------- the real kernels, interpreted
@@ -422,9 +443,9 @@ def test_refuses_a_changed_diffusers_source(monkeypatch):
                     reason="needs triton's interpreter (CPU runs)")
 def test_the_kernels_run_through_the_gate(monkeypatch):
     """fp32 under Triton's interpreter: the gated residual kernel is verified bitwise on
-    Sana's strided [B, 1, D] gates; whatever a verdict (the LayerNorm kernel reproduces
-    CUDA's reduction order), the output keeps stock's bits; no convolution epilogue is
-    judged (GLUMBConv runs stock)."""
+    Sana's strided [B, 1, D] gates, and the GLU epilogue site plans and is judged at first
+    sight; whatever a verdict (the LayerNorm kernel reproduces CUDA's reduction order, the
+    interpreter's SiLU is numpy's), the output keeps stock's bits."""
     model = _model("1.0")
     kw = _inputs(model, 2, 3, text_lengths=[2, 3])
     ref = run(model, kw)
@@ -436,4 +457,4 @@ def test_the_kernels_run_through_the_gate(monkeypatch):
     assert {v.signature.rsplit(" ", 1)[1] for v in verdicts if v.op == "gated_residual" and v.active} == {
         "per-sample/strided"}, [v.signature for v in verdicts]
     assert any(v.op == "layer_norm_modulate" for v in verdicts), [v.signature for v in verdicts]
-    assert not any(v.op.startswith("conv_") for v in verdicts), [v.signature for v in verdicts]
+    assert any(v.op == "conv_bias_glu" for v in verdicts), [v.signature for v in verdicts]

@@ -2,12 +2,12 @@
 and site level), and the full-width model with bitfuse lossless bitwise diffusers'
 output, every fast path verified; bitfuse high keeps its contract.
 
-The model integration routes the adaLN sites only (block norm1/norm2 + modulate, the
-gated residuals, the head's SanaModulatedNorm): GLUMBConv runs stock, its epilogues are
-not routed (see bitfuse/models/sana.py for the measurement why), so the model tests
-cover adaLN-only routing and assert that no convolution epilogue is judged. The op and
-site level tests below stay: they are what a GPU run must pass before the epilogues
-are routed again.
+The model integration routes the adaLN sites (block norm1/norm2 + modulate, the gated
+residuals, the head's SanaModulatedNorm) and GLUMBConv's two convolution epilogues
+(conv_bias_silu_site, conv_bias_glu_site; see bitfuse/models/sana.py for the layout
+fixes that made the full model bitwise stock), so the model tests cover routing with
+the epilogues and assert that both conv verdicts are present and active. The op and
+site level tests below check the epilogues on their own.
 
 Op tests need no diffusers: the epilogue kernels (bias + SiLU, bias + gated SiLU) on
 random, outlier, zero, subnormal, NaN/inf, large and tiny data, odd sizes,
@@ -169,11 +169,12 @@ def test_conv_sites_verify_on_glumbconv():
     """GLUMBConv's modules through the sites: verified at first sight, then the fast path;
     the outputs are the stock module calls' bits.
 
-    The reproducer of the bug that took the epilogues out of the Sana integration: it
-    failed on 2026-12-01, before the `policy._poisoned` fix (the silu site's output equal
-    to eager's in bits, the GLU site's then differing: the first-sight output was
-    contiguous where eager's is channels-last, sending the depthwise convolution to
-    another aten backend). It should pass after the fix."""
+    It reproduced the first-sight layout bug that once took the epilogues out of the
+    Sana integration (failing on 2026-12-01: the silu site's output equal to eager's in
+    bits, the GLU site's then differing, the first-sight output being row-major where
+    eager's is channels-last, which sent the depthwise convolution to another aten
+    backend). Fixed since: the policy hands on eager's own result wherever the layouts
+    differ."""
     diffusers = pytest.importorskip("diffusers")  # noqa: F841
     from diffusers.models.transformers.sana_transformer import GLUMBConv
 
@@ -235,8 +236,7 @@ def _check_lossless(model, calls):
     bad = [v for v in policy.verdicts() if not v.active]
     assert not bad, "; ".join(f"{v.signature}: {v.status} {v.detail}" for v in bad)
     ops = {v.op for v in policy.verdicts()}
-    assert ops >= {"layer_norm_modulate", "gated_residual"}, _verdicts()
-    assert not any(op.startswith("conv_") for op in ops), _verdicts()  # GLUMBConv runs stock
+    assert ops >= {"layer_norm_modulate", "gated_residual", "conv_bias_silu", "conv_bias_glu"}, _verdicts()
     for kw, ref in zip(calls, refs):
         assert same_bits(_run(model, kw)[0], ref)  # restored
 
@@ -277,6 +277,7 @@ def test_high_keeps_its_contract():
     bad = [v for v in policy.verdicts() if not v.active]
     assert not bad, _verdicts()
     assert any(v.op == "layer_norm_modulate" and v.tier == "high" for v in policy.verdicts()), _verdicts()
+    assert {"conv_bias_silu", "conv_bias_glu"} <= {v.op for v in policy.verdicts()}, _verdicts()  # exact in every tier
     assert same_bits(_run(model, kw)[0], ref)  # restored
     exact_model = copy.deepcopy(model).float()
     kw32 = {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in kw.items()}
