@@ -508,8 +508,7 @@ def rms_norm_site(norm, x):
 
 # ---------------------------------------------------------------- convolution epilogues
 #
-# Op-level sites: no model integration routes them (models.sana leaves GLUMBConv stock:
-# with them routed, the full Sana model differed from stock on the H200; see its docstring).
+# Routed by models.sana (GLUMBConv); the outputs keep eager's channels-last strides.
 
 
 def _conv_args(conv, act, x):
@@ -528,7 +527,7 @@ def _conv_args(conv, act, x):
 
 def conv_bias_silu_site(conv, act, x):
     """`act(conv(x))` for an `nn.Conv2d` `conv` and an `nn.SiLU` `act` (the shape of Sana's
-    GLUMBConv `conv_inverted` and its nonlinearity; not routed there), bit-exact in every tier: where
+    GLUMBConv `conv_inverted` and its nonlinearity), bit-exact in every tier: where
     eager's convolution adds its bias as a separate op (cuDNN), the convolution without
     it, then bias + SiLU in one kernel (`ops.conv_epilogue`), verified here at first
     sight against the stock expression. x: [B, C_in, H, W] (Sana: a channels-last
@@ -547,7 +546,7 @@ def conv_bias_silu_site(conv, act, x):
 def conv_bias_glu_site(conv, act, x):
     """`hidden * act(gate)` for `hidden, gate = torch.chunk(conv(x), 2, dim=1)`, an
     `nn.Conv2d` `conv` and an `nn.SiLU` `act` (the shape of Sana's GLUMBConv `conv_depth`,
-    the chunk and the gated nonlinearity; not routed there), bit-exact in every tier: eager's convolution
+    the chunk and the gated nonlinearity), bit-exact in every tier: eager's convolution
     (without its bias where eager adds it separately), then bias, SiLU of the gate half
     and the product in one kernel, verified here at first sight against the stock
     expression. x: [B, C_in, H, W]; conv's output channels even. Returns

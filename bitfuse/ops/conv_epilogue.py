@@ -55,11 +55,11 @@ convolution is left to eager (nothing to fuse). In Sana every convolution input
 is a channels-last view (the FF permutes [B, H*W, C] tokens to NCHW without
 copying), so both convolutions take cuDNN and both biases are split.
 
-Not routed by any model integration: `models.sana` leaves GLUMBConv stock (with
-these epilogues routed, the full Sana model differed from stock on the H200 while
-the op-level GPU tests passed; bitfuse/models/sana.py and bench/NOTES.md say why).
-The ops and `sites.conv_bias_silu_site` / `sites.conv_bias_glu_site` stay available,
-gated, for op-level use and tests.
+Routed by `models.sana` (GLUMBConv.forward). Layouts matter as much as values
+here: eager's result is channels-last, and the next convolution picks its aten
+backend, and its bits, by layout, so the kernels write eager's strides and the
+gate hands on eager's own result wherever its check buffer is laid out otherwise
+(an earlier routing differed from stock for that reason: bench/NOTES.md).
 
 EAGER'S SILU (aten/src/ATen/native/cuda/ActivationSiluKernel.cu):
 `x_acc / (opmath_t(1) + exp(-x_acc))` in fp32, built without fast math: `expf`
