@@ -42,9 +42,9 @@ without the divisions, count shuffles and tests (a quarter of the kernel's
 instructions; timings in bench/results/ops-*.json).
 Both kernels write their output with streaming stores, as rms_norm_modulate's do.
 
-HIGH TIER (bf16/fp16): one pass, x read once, the mean summed in float64 (x - mean
-as x - hi - lo in fp32, hi + lo the float64 mean) then the variance in fp32, from
-registers (two passes over the registers, no Welford), then n * (1 + scale) +
+HIGH TIER (bf16/fp16): one pass, x read once, the mean and x - mean in float64
+then the variance in fp32, from registers (two passes over the registers, no
+Welford), then n * (1 + scale) +
 shift in fp32, rounded once: within 0.5 ULP of the float64 value at the scale
 of the modulate's terms (see rms_norm_modulate).
 
