@@ -61,3 +61,28 @@ def check_identity(model, kwargs_list, *, compare=assert_same, **accelerate_opti
     assert is_stock(model)
     for kw, ref in zip(kwargs_list, refs):
         compare(run(model, kw), ref)
+
+
+def check_high_mount(model, kwargs: dict, recording) -> None:
+    """`accelerate(quality="high")` mounts high on every marked site (the blocks and the
+    head); inside `bitfuse.quality("lossless")` every site call resolves lossless
+    instead; both outputs are stock's bits on CPU (every site falls back to eager there);
+    restore leaves the model stock. `recording()` is the test file's context manager
+    recording site calls as dicts with the keys "tier" and "name"."""
+    ref = run(model, kwargs)
+    handle = bitfuse.accelerate(model, quality="high")
+    try:
+        marked = sites.sites_of(model)
+        assert len(marked) == len(model.transformer_blocks) + 1 and all(s.tier == "high" for s in marked)
+        with recording() as records:
+            out = run(model, kwargs)
+            n = len(records)
+            with bitfuse.quality("lossless"):
+                out_lossless = run(model, kwargs)
+        tiers = [{r["tier"] for r in part if r["name"]} for part in (records[:n], records[n:])]
+        assert n > 0 and tiers == [{"high"}, {"lossless"}]
+        assert_same(out, ref)
+        assert_same(out_lossless, ref)
+    finally:
+        handle.restore()
+    assert is_stock(model)

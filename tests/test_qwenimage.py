@@ -40,7 +40,7 @@ from bitfuse.models.qwenimage_configs import (  # noqa: E402
 from bitfuse.numerics import same_bits  # noqa: E402
 from bitfuse.ops import _params  # noqa: E402
 from bitfuse.ops._launch import HAS_TRITON  # noqa: E402
-from model_checks import assert_same, check_identity, is_stock, run  # noqa: E402
+from model_checks import assert_same, check_high_mount, check_identity, is_stock, run  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 H, W = 64, 48  # 4 x 3 image tokens
@@ -414,24 +414,7 @@ def test_the_qk_site_changes_the_output_when_it_changes(monkeypatch):
 
 def test_quality_high_mounts_on_every_site_and_a_request_overrides_it(monkeypatch):
     model = _model("edit-2511", torch.bfloat16)
-    kw = _inputs(model, 2, condition_images=CONDITION)
-    ref = run(model, kw)
-    handle = bitfuse.accelerate(model, quality="high")
-    try:
-        marked = sites.sites_of(model)
-        assert len(marked) == len(model.transformer_blocks) + 1 and all(s.tier == "high" for s in marked)
-        with _recording_sites(monkeypatch) as records:
-            out = run(model, kw)
-            n = len(records)
-            with bitfuse.quality("lossless"):
-                out_lossless = run(model, kw)
-        tiers = [{r["tier"] for r in part if r["name"]} for part in (records[:n], records[n:])]
-        assert n > 0 and tiers == [{"high"}, {"lossless"}]
-        assert_same(out, ref)
-        assert_same(out_lossless, ref)
-    finally:
-        handle.restore()
-    assert is_stock(model)
+    check_high_mount(model, _inputs(model, 2, condition_images=CONDITION), lambda: _recording_sites(monkeypatch))
 
 
 def test_quality_high_is_all_or_nothing():

@@ -37,7 +37,7 @@ from bitfuse.models.sana_configs import (
 from bitfuse.numerics import same_bits
 from bitfuse.ops import _params
 from bitfuse.ops._launch import HAS_TRITON
-from model_checks import assert_same, check_identity, is_stock, run
+from model_checks import assert_same, check_high_mount, check_identity, is_stock, run
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 H, W = 96, 64  # 3 x 2 latent tokens
@@ -302,24 +302,7 @@ def test_sites_change_the_output_when_they_change(monkeypatch, name):
 
 def test_quality_high_mounts_on_every_site_and_a_request_overrides_it(monkeypatch):
     model = _model("1.0", torch.bfloat16)
-    kw = _inputs(model, 2)
-    ref = run(model, kw)
-    handle = bitfuse.accelerate(model, quality="high")
-    try:
-        marked = sites.sites_of(model)
-        assert len(marked) == len(model.transformer_blocks) + 1 and all(s.tier == "high" for s in marked)
-        with _recording_sites(monkeypatch) as records:
-            out = run(model, kw)
-            n = len(records)
-            with bitfuse.quality("lossless"):
-                out_lossless = run(model, kw)
-        tiers = [{r["tier"] for r in part if r["name"]} for part in (records[:n], records[n:])]
-        assert n > 0 and tiers == [{"high"}, {"lossless"}]
-        assert_same(out, ref)
-        assert_same(out_lossless, ref)
-    finally:
-        handle.restore()
-    assert is_stock(model)
+    check_high_mount(model, _inputs(model, 2), lambda: _recording_sites(monkeypatch))
 
 
 def test_quality_high_is_all_or_nothing():
