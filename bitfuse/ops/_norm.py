@@ -41,7 +41,9 @@ def overflow_scale(x):
     2**48 or more (its sum of squares could overflow fp32, as eager's does) the power
     of two that brings it to about 2**32. The one-pass kernels reduce x * s and undo
     s exactly (powers of two), so the high tier stays accurate on such rows; on every
-    other row s = 1 and nothing changes."""
+    other row s = 1 and nothing changes. The kernels call it only for a tile where a
+    sum of squares came out above 3e38 (an extra reduction otherwise: 89% -> 80% of
+    the copy ceiling at 6144 x 4096 on the H200)."""
     amax = tl.max(tl.abs(x), axis=1)
     e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent
     big = (e >= 127 + 48) & (e < 255)

@@ -325,6 +325,18 @@ def _layer_norm_modulate_exact_kernel(
             tl.store(out_ptr + (o_base + col), (p + shift).to(dtype), mask=m, cache_modifier=".cs")
 
 
+@jit
+def centred(x, m, D):
+    """x - mean(x) per row of the fp32 tile x [R, BLOCK] (masked columns 0), and the
+    rows' sums of its squares: the mean summed in float64, then x - hi - lo with
+    hi + lo the float64 mean split into two fp32 values."""
+    mean = tl.sum(x.to(tl.float64), axis=1) / D
+    hi = mean.to(tl.float32)
+    lo = (mean - hi.to(tl.float64)).to(tl.float32)
+    xc = tl.where(m, (x - hi[:, None]) - lo[:, None], 0.0)
+    return xc, tl.sum(xc * xc, axis=1)
+
+
 @row_kernel("S")
 def _layer_norm_modulate_high_kernel(
     x_ptr, scale_ptr, shift_ptr, out_ptr,
@@ -343,15 +355,15 @@ def _layer_norm_modulate_high_kernel(
         x_ptr + ((b * x_sb + s * x_ss)[:, None] + cols[None, :]), mask=m, other=0.0,
         eviction_policy="evict_first",
     ).to(tl.float32)
-    sc = overflow_scale(x)
-    xs = (x * sc[:, None]).to(tl.float64)  # (x - mean) * rstd is invariant under the power-of-two scale
-    # the mean and x - mean in float64, then rounded to fp32 once: an fp32 mean is off by
-    # about 2**-24 of the row's sum of |x|, which is many ULPs of a centred value near zero
-    # where the shift is zero (fuzz seed 0 case 8607: 4.75 ULP); the extra float64 adds cost
-    # nothing in this memory-bound kernel
-    mean = tl.sum(xs, axis=1) / D
-    xc = tl.where(m, (xs - mean[:, None]).to(tl.float32), 0.0)
-    rstd = tl.math.rsqrt(tl.sum(xc * xc, axis=1) * inv_d + eps * sc * sc)
+    # the mean in float64, split into two fp32 terms for x - mean: an fp32 mean is off by
+    # about 2**-24 of the row's sum of |x|, which is many ULPs of a centred value near
+    # zero where the shift is zero (fuzz seed 0 case 8607: 4.75 ULP)
+    xc, ss = centred(x, m, D)
+    sc = tl.full(ss.shape, 1.0, tl.float32)
+    if tl.max(ss, axis=0) > 3.0e38:  # some row's squares overflowed: rescale those rows exactly
+        sc = overflow_scale(x)  # (x - mean) * rstd is invariant under the power-of-two scale
+        xc, ss = centred(x * sc[:, None], m, D)
+    rstd = tl.math.rsqrt(ss * inv_d + eps * sc * sc)
     scale = tl.load(scale_ptr + ((b * c_sb + s * c_ss)[:, None] + cols[None, :] * c_sd), mask=m, other=0.0)
     shift = tl.load(shift_ptr + ((b * h_sb + s * h_ss)[:, None] + cols[None, :] * h_sd), mask=m, other=0.0)
     y = modulate_once(xc * rstd[:, None], scale, shift, out_ptr.dtype.element_ty)

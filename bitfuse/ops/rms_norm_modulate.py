@@ -287,9 +287,13 @@ def _rms_norm_modulate_high_kernel(
         x_ptr + ((b * x_sb + s * x_ss)[:, None] + cols[None, :]), mask=m, other=0.0,
         eviction_policy="evict_first",
     ).to(tl.float32)
-    sc = overflow_scale(x)
-    xs = x * sc[:, None]
-    r = tl.math.rsqrt(tl.sum(xs * xs, axis=1) * inv_d + eps * sc * sc) * sc  # 1 / rms(x), exactly rescaled
+    ss = tl.sum(x * x, axis=1)
+    sc = tl.full(ss.shape, 1.0, tl.float32)
+    if tl.max(ss, axis=0) > 3.0e38:  # some row's squares overflowed: rescale those rows exactly
+        sc = overflow_scale(x)
+        xs = x * sc[:, None]
+        ss = tl.sum(xs * xs, axis=1)
+    r = tl.math.rsqrt(ss * inv_d + eps * sc * sc) * sc  # 1 / rms(x), exactly rescaled
     dtype = out_ptr.dtype.element_ty
     col_ok = cols < D
     scale = load_param(scale_ptr, (b * c_sb + s * c_ss)[:, None] + cols[None, :] * c_sd, m, scale_table_ptr,
