@@ -132,6 +132,48 @@ def _plain() -> bool:
     return policy.DISABLED or torch.compiler.is_compiling()
 
 
+# ---------------------------------------------------------------- bound launches
+#
+# A site's call key holds everything the op's guard reads from the call (operands'
+# shapes, strides, dtypes and devices, Folded or not, the tier and the site's scalars),
+# so a verified call's launch can be kept under it (`policy.bound`) and a later call
+# with the same key skips the planner and the gate. Autograd-recording calls are not
+# keyed (the guard reads requires_grad there): they always take the planner.
+
+
+def _meta(t):
+    """An operand's metadata for a call key, or None (no key: not a tensor)."""
+    if isinstance(t, torch.Tensor):
+        return (t.shape, t.stride(), t.dtype, t.get_device())
+    if t.__class__ is Folded and isinstance(t.table, torch.Tensor) and isinstance(t.temb, torch.Tensor):
+        a, b = t.table, t.temb
+        return (Folded, a.shape, a.stride(), a.dtype, a.get_device(), b.shape, b.stride(), b.dtype, b.get_device())
+    return None
+
+
+def _call_key(*parts):
+    """A call key of `parts` (scalars and `_meta`s), or None where a part has no metadata
+    or autograd is recording."""
+    if torch.is_grad_enabled() or None in parts:
+        return None
+    return parts
+
+
+def _bound(site_key, args):
+    """The result of the launch bound to `site_key`, or None (none bound, or this call
+    needs the planner). A bound launch that raises is dropped; the gate then decides."""
+    run = policy.bound(site_key) if site_key is not None else None
+    if run is None:
+        return None
+    try:
+        return run(*args)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception:  # noqa: BLE001 - the planner's path records and handles it
+        policy.forget(site_key)
+        return None
+
+
 # ---------------------------------------------------------------- pointwise sites
 
 
@@ -142,10 +184,15 @@ def modulate_site(x, scale, shift):
     Returns a tensor of x's shape and dtype (eager's type promotion when dtypes mix)."""
     if _plain():
         return x * (1 + value(scale)) + value(shift)
+    args = (x, scale, shift)
+    site_key = _call_key("modulate", _meta(x), _meta(scale), _meta(shift))
+    out = _bound(site_key, args)
+    if out is not None:
+        return out
     plan = modulate.plan_modulate(x, scale, shift)
     if plan.__class__ is str:
         return modulate.modulate_reference(x, scale, shift)
-    return policy.gated(_MODULATE, "lossless", plan, (x, scale, shift))
+    return policy.gated(_MODULATE, "lossless", plan, args, site_key=site_key)
 
 
 def gated_residual_site(x, y, gate):
@@ -155,10 +202,15 @@ def gated_residual_site(x, y, gate):
     permuted x, whose eager result keeps its layout, takes eager)."""
     if _plain():
         return x + y * value(gate)
+    args = (x, y, gate)
+    site_key = _call_key("gated_residual", _meta(x), _meta(y), _meta(gate))
+    out = _bound(site_key, args)
+    if out is not None:
+        return out
     plan = gated_residual.plan_gated_residual(x, y, gate)
     if plan.__class__ is str:
         return gated_residual.gated_residual_reference(x, y, gate)
-    return policy.gated(_GATED_RESIDUAL, "lossless", plan, (x, y, gate))
+    return policy.gated(_GATED_RESIDUAL, "lossless", plan, args, site_key=site_key)
 
 
 # ---------------------------------------------------------------- fp32-compute sites (Wan)
@@ -175,10 +227,15 @@ def gated_residual_f32_site(x, y, gate):
     or Folded (`table + temb.float()`). Returns a tensor of x's shape and dtype."""
     if _plain():
         return (x.float() + y * value32(gate)).type_as(x)
+    args = (x, y, gate)
+    site_key = _call_key("gated_residual_f32", _meta(x), _meta(y), _meta(gate))
+    out = _bound(site_key, args)
+    if out is not None:
+        return out
     plan = gated_residual.plan_gated_residual_f32(x, y, gate)
     if plan.__class__ is str:
         return gated_residual.gated_residual_f32_reference(x, y, gate)
-    return policy.gated(_GATED_RESIDUAL_F32, "lossless", plan, (x, y, gate))
+    return policy.gated(_GATED_RESIDUAL_F32, "lossless", plan, args, site_key=site_key)
 
 
 def fp32_layer_norm_kind(norm) -> str | None:
@@ -206,10 +263,14 @@ def layer_norm_modulate_f32_site(norm, x, scale, shift):
     if _plain() or fp32_layer_norm_kind(norm) != "plain":
         return (norm(x.float()) * (1 + value32(scale)) + value32(shift)).type_as(x)
     args = (x, scale, shift, norm.eps)
+    site_key = _call_key("layer_norm_modulate_f32", norm.eps, _meta(x), _meta(scale), _meta(shift))
+    out = _bound(site_key, args)
+    if out is not None:
+        return out
     plan = layer_norm_modulate.plan_layer_norm_modulate_f32(*args)
     if plan.__class__ is str:
         return layer_norm_modulate.layer_norm_modulate_f32_reference(*args)
-    return policy.gated(_LAYER_NORM_MODULATE_F32, "lossless", plan, args)
+    return policy.gated(_LAYER_NORM_MODULATE_F32, "lossless", plan, args, site_key=site_key)
 
 
 def layer_norm_f32_site(norm, x):
@@ -219,10 +280,14 @@ def layer_norm_f32_site(norm, x):
     if _plain() or fp32_layer_norm_kind(norm) != "affine":
         return norm(x.float()).type_as(x)
     args = (x, norm.weight, norm.bias, norm.eps)
+    site_key = _call_key("layer_norm_f32", norm.eps, _meta(x), _meta(norm.weight), _meta(norm.bias))
+    out = _bound(site_key, args)
+    if out is not None:
+        return out
     plan = layer_norm_modulate.plan_layer_norm_f32(*args)
     if plan.__class__ is str:
         return layer_norm_modulate.layer_norm_f32_reference(*args)
-    return policy.gated(_LAYER_NORM_F32, "lossless", plan, args)
+    return policy.gated(_LAYER_NORM_F32, "lossless", plan, args, site_key=site_key)
 
 
 # ---------------------------------------------------------------- RoPE
@@ -455,18 +520,23 @@ def rms_norm_modulate_site(block, norm, x, scale, shift):
     if kind not in _RMS_NORM_MODULATE:
         return modulate_site(norm(x), scale, shift)
     args = (x, scale, shift, norm.eps, kind)
-    if _norm_tier(block, x) == "high":
+    tier = _norm_tier(block, x)
+    site_key = _call_key("rms_norm_modulate", kind, tier, norm.eps, _meta(x), _meta(scale), _meta(shift))
+    out = _bound(site_key, args)
+    if out is not None:
+        return out
+    if tier == "high":
         plan = rms_norm_modulate.plan_rms_norm_modulate(*args, tier="high")
         if plan.__class__ is not str:
-            return policy.gated(_RMS_NORM_MODULATE[kind], "high", plan, args, fallback=_rms_lossless)
-    return _rms_lossless(*args)
+            return policy.gated(_RMS_NORM_MODULATE[kind], "high", plan, args, fallback=_rms_lossless, site_key=site_key)
+    return _rms_lossless(*args, site_key=site_key)
 
 
-def _rms_lossless(x, scale, shift, eps, kind):
+def _rms_lossless(x, scale, shift, eps, kind, site_key=None):
     plan = rms_norm_modulate.plan_rms_norm_modulate(x, scale, shift, eps, kind)
     if plan.__class__ is str:  # (norm_kind made sure the functional norm is the module's)
         return modulate_site(rms_norm_modulate.rms_norm_reference(x, eps, kind), scale, shift)
-    return policy.gated(_RMS_NORM_MODULATE[kind], "lossless", plan, (x, scale, shift, eps, kind))
+    return policy.gated(_RMS_NORM_MODULATE[kind], "lossless", plan, (x, scale, shift, eps, kind), site_key=site_key)
 
 
 def layer_norm_modulate_site(block, norm, x, scale, shift):
@@ -477,18 +547,23 @@ def layer_norm_modulate_site(block, norm, x, scale, shift):
     if norm_kind(norm) != "layer_norm":
         return modulate_site(norm(x), scale, shift)
     args = (x, scale, shift, norm.eps)
-    if _norm_tier(block, x) == "high":
+    tier = _norm_tier(block, x)
+    site_key = _call_key("layer_norm_modulate", tier, norm.eps, _meta(x), _meta(scale), _meta(shift))
+    out = _bound(site_key, args)
+    if out is not None:
+        return out
+    if tier == "high":
         plan = layer_norm_modulate.plan_layer_norm_modulate(*args, tier="high")
         if plan.__class__ is not str:
-            return policy.gated(_LAYER_NORM_MODULATE, "high", plan, args, fallback=_ln_lossless)
-    return _ln_lossless(*args)
+            return policy.gated(_LAYER_NORM_MODULATE, "high", plan, args, fallback=_ln_lossless, site_key=site_key)
+    return _ln_lossless(*args, site_key=site_key)
 
 
-def _ln_lossless(x, scale, shift, eps):
+def _ln_lossless(x, scale, shift, eps, site_key=None):
     plan = layer_norm_modulate.plan_layer_norm_modulate(x, scale, shift, eps)
     if plan.__class__ is str:
         return modulate_site(torch.nn.functional.layer_norm(x, (x.shape[-1],), eps=eps), scale, shift)
-    return policy.gated(_LAYER_NORM_MODULATE, "lossless", plan, (x, scale, shift, eps))
+    return policy.gated(_LAYER_NORM_MODULATE, "lossless", plan, (x, scale, shift, eps), site_key=site_key)
 
 
 def rms_norm_site(norm, x):
@@ -525,6 +600,12 @@ def _conv_args(conv, act, x):
     return (x, conv.weight, conv.bias, tuple(conv.stride), tuple(conv.padding), tuple(conv.dilation), conv.groups)
 
 
+def _conv_key(name, args):
+    x, weight, bias = args[:3]
+    bias_meta = "no bias" if bias is None else _meta(bias)
+    return _call_key(name, _meta(x), _meta(weight), bias_meta, *args[3:], torch._C._get_cudnn_enabled())
+
+
 def conv_bias_silu_site(conv, act, x):
     """`act(conv(x))` for an `nn.Conv2d` `conv` and an `nn.SiLU` `act` (the shape of Sana's
     GLUMBConv `conv_inverted` and its nonlinearity), bit-exact in every tier: where
@@ -537,10 +618,14 @@ def conv_bias_silu_site(conv, act, x):
     args = _conv_args(conv, act, x)
     if args is None:
         return act(conv(x))
+    site_key = _conv_key("conv_bias_silu", args)
+    out = _bound(site_key, args)
+    if out is not None:
+        return out
     plan = conv_epilogue.plan_conv_bias_silu(*args)
     if plan.__class__ is str:
         return act(conv(x))
-    return policy.gated(_CONV_BIAS_SILU, "lossless", plan, args)
+    return policy.gated(_CONV_BIAS_SILU, "lossless", plan, args, site_key=site_key)
 
 
 def conv_bias_glu_site(conv, act, x):
@@ -554,9 +639,13 @@ def conv_bias_glu_site(conv, act, x):
     if not _plain():
         args = _conv_args(conv, act, x)
         if args is not None:
+            site_key = _conv_key("conv_bias_glu", args)
+            out = _bound(site_key, args)
+            if out is not None:
+                return out
             plan = conv_epilogue.plan_conv_bias_glu(*args)
             if plan.__class__ is not str:
-                return policy.gated(_CONV_BIAS_GLU, "lossless", plan, args)
+                return policy.gated(_CONV_BIAS_GLU, "lossless", plan, args, site_key=site_key)
     hidden, gate = torch.chunk(conv(x), 2, dim=1)
     return hidden * act(gate)
 

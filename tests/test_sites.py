@@ -42,7 +42,19 @@ def fake_kernels(monkeypatch):
 
             return run
 
-        return dataclasses.replace(spec, launch={t: launch_for(t) for t in ("lossless", "high")}, reference64=None)
+        def bind_for(tier):
+            def bind(plan):  # the bound launch a verified call keeps (sites key it under torch.no_grad)
+                def run(*args):
+                    calls.append((spec.name, tier, threading.get_ident()))
+                    return spec.reference(*args)
+
+                return run
+
+            return bind
+
+        tiers = ("lossless", "high")
+        return dataclasses.replace(spec, launch={t: launch_for(t) for t in tiers},
+                                   bind={t: bind_for(t) for t in tiers if t in spec.bind}, reference64=None)
 
     monkeypatch.setattr(modulate, "plan_modulate", lambda *a, tier="lossless": FakePlan(a))
     monkeypatch.setattr(gated_residual, "plan_gated_residual", lambda *a, tier="lossless": FakePlan(a))

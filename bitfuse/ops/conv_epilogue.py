@@ -481,6 +481,20 @@ def launch_conv(plan: ConvPlan, out=None, config=None) -> torch.Tensor:
     return _epilogue(y, plan.bias if plan.split else None, plan.glu, out, config)
 
 
+def bind_conv(plan: ConvPlan):
+    """The plan's launch bound to its geometry (`OpSpec.bind`): `run(x, weight, bias,
+    stride, padding, dilation, groups)` for a call with the plan's shapes, strides,
+    dtypes, devices and convolution arguments: the convolution (without its bias where
+    the plan splits it off), then the epilogue."""
+    split, glu = plan.split, plan.glu
+
+    def run(x, weight, bias, stride, padding, dilation, groups):
+        y = F.conv2d(x, weight, None if split else bias, stride, padding, dilation, groups)
+        return _epilogue(y, bias if split else None, glu)
+
+    return run
+
+
 def conv_bias_silu_reference(x, weight, bias, stride, padding, dilation, groups) -> torch.Tensor:
     """The stock expression: `silu(conv2d(x, weight, bias, ...))`."""
     return F.silu(F.conv2d(x, weight, bias, stride, padding, dilation, groups))
@@ -563,6 +577,7 @@ def _make_conv_bias_glu(case: cases.Case) -> tuple:
 
 _LAUNCH = {"lossless": launch_epilogue}
 _CONV_LAUNCH = {"lossless": launch_conv}
+_CONV_BIND = {"lossless": bind_conv}
 
 SPECS = {
     spec.name: spec
@@ -571,9 +586,9 @@ SPECS = {
                layouts=LAYOUTS),
         OpSpec("bias_glu", bias_glu_reference, plan_bias_glu, _LAUNCH, make_args=_make_bias_glu, layouts=LAYOUTS),
         OpSpec("conv_bias_silu", conv_bias_silu_reference, plan_conv_bias_silu, _CONV_LAUNCH,
-               make_args=_make_conv_bias_silu, layouts=LAYOUTS),
+               bind=_CONV_BIND, make_args=_make_conv_bias_silu, layouts=LAYOUTS),
         OpSpec("conv_bias_glu", conv_bias_glu_reference, plan_conv_bias_glu, _CONV_LAUNCH,
-               make_args=_make_conv_bias_glu, layouts=LAYOUTS),
+               bind=_CONV_BIND, make_args=_make_conv_bias_glu, layouts=LAYOUTS),
     )
 }
 

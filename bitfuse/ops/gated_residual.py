@@ -223,6 +223,23 @@ def launch_gated_residual(plan: GatedResidualPlan, out=None, config=None) -> tor
     return out
 
 
+def bind_gated_residual(plan: GatedResidualPlan):
+    """The plan's launch bound to its geometry (`OpSpec.bind`): `run(x, y, gate)` for a
+    call with the plan's shapes, strides, dtypes and devices (a Folded gate where the
+    plan's was)."""
+    recipe, launch, folded = plan.recipe, _launch.launch, plan.gate_table is not None
+
+    def run(x, y, gate):
+        gt = None
+        if folded:
+            gt, gate = gate.table, gate.temb
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        launch(recipe, (x, y, gate, out, gate if gt is None else gt))
+        return out
+
+    return run
+
+
 def gated_residual(x, y, gate) -> torch.Tensor:
     """`x + y * gate`, guarded but ungated: the kernel where eligible, else the eager reference."""
     plan = plan_gated_residual(x, y, gate)
@@ -293,6 +310,7 @@ SPEC = OpSpec(
     reference=gated_residual_reference,
     plan=plan_gated_residual,
     launch={"lossless": launch_gated_residual},
+    bind={"lossless": bind_gated_residual},
     reference64=_reference64,
     terms=_terms,
     make_args=_make_args,
@@ -317,6 +335,7 @@ F32_SPEC = OpSpec(
     reference=gated_residual_f32_reference,
     plan=plan_gated_residual_f32,
     launch={"lossless": launch_gated_residual},
+    bind={"lossless": bind_gated_residual},
     reference64=_f32_reference64,
     terms=_f32_terms,
     make_args=_f32_make_args,

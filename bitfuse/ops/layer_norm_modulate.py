@@ -63,6 +63,7 @@ from ._launch import (
     HAS_TRITON,
     INTERPRET,
     FastLaunch,
+    Recipe,
     cdiv,
     jit,
     next_pow2,
@@ -370,8 +371,10 @@ def _layer_norm_modulate_high_kernel(
     tl.store(out_ptr + ((r64 * D)[:, None] + cols[None, :]), y, mask=m, cache_modifier=".cs")
 
 
-_launch_exact = FastLaunch(_layer_norm_modulate_exact_kernel)
-_launch_high = FastLaunch(_layer_norm_modulate_high_kernel)
+_launch_exact = FastLaunch(_layer_norm_modulate_exact_kernel, (
+    "D", "WELFORD_FMA", "MEAN_V", "SIG_FMA", "PASS2", "BLOCK_D", "RSQRT_ASM", "R", "F32", "MODE", "AFFINE_FMA",
+    "SCALE_TABLE", "SHIFT_TABLE"))
+_launch_high = FastLaunch(_layer_norm_modulate_high_kernel, ("R", "BLOCK_D"))
 
 
 # ---------------------------------------------------------------- launcher
@@ -428,42 +431,80 @@ def exact_launch_shape(plan) -> tuple[int, int]:
 _EXACT_SHAPES = {(4096, True): (2, 8), (3072, False): (1, 4)}
 
 
+def _recipe_of(plan, config=None, stats=None) -> Recipe:
+    """The launch of a guarded plan: the kernel's grid, integers, constexprs and warps."""
+    r = plan.rows
+    if plan.exact:
+        R, num_warps, pass2 = (tuple(config) + (PASS2,))[:3] if config else exact_launch_shape(plan) + (PASS2,)
+        if plan.f32 or plan.mode:
+            pass2 = 2  # the fp32-compute and affine epilogues are written for the wide second pass
+        ct, ht = plan.scale_table, plan.shift_table
+        return Recipe(
+            (cdiv(r.S, R), r.B),
+            (r.S, int(stats is not None), r.sb, r.ss, *plan.c_strides, *plan.h_strides, plan.eps, float(r.D),
+             0 if ct is None else ct.stride(0), 0 if ht is None else ht.stride(0)),
+            (r.D, WELFORD_FMA, MEAN_V, SIG_FMA, pass2, next_pow2(r.D), RSQRT_ASM and not INTERPRET, R, plan.f32,
+             plan.mode, plan.fma, ct is not None, ht is not None),
+            num_warps,
+        )
+    block_d = next_pow2(r.D)
+    R, num_warps = config or high_launch_shape(block_d, r.S, plan.x.element_size())
+    return Recipe((cdiv(r.S, R), r.B), (r.S, r.D, r.sb, r.ss, *plan.c_strides, *plan.h_strides, plan.eps, 1.0 / r.D),
+                  (R, block_d), num_warps)
+
+
+def _operands(exact: bool, x, scale, shift, out, stats, ct, ht) -> tuple:
+    if exact:
+        return (x, scale, shift, out, dummy_stats(x) if stats is None else stats, scale if ct is None else ct,
+                shift if ht is None else ht)
+    return (x, scale, shift, out)
+
+
 def launch_layer_norm_modulate(plan, out=None, config=None, stats=None) -> torch.Tensor:
     """Run the kernel for a guarded plan, into `out` (contiguous, x's shape) if given.
     `config` overrides (R, num_warps[, pass2]) of the exact kernel, (R, num_warps) of
     the one-pass kernel. `stats` (fp32, 2 per row; exact kernel) receives each row's
     mean and rstd."""
-    x, r = plan.x, plan.rows
+    x = plan.x
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    tensors = (x, plan.scale, plan.shift, out)
-    if plan.exact:
-        R, num_warps, pass2 = (tuple(config) + (PASS2,))[:3] if config else exact_launch_shape(plan) + (PASS2,)
-        ct, ht = plan.scale_table, plan.shift_table
-        if plan.f32 or plan.mode:
-            pass2 = 2  # the fp32-compute and affine epilogues are written for the wide second pass
-        _launch_exact(
-            (cdiv(r.S, R), r.B),
-            tensors + (dummy_stats(x) if stats is None else stats, plan.scale if ct is None else ct,
-                       plan.shift if ht is None else ht),
-            (r.S, int(stats is not None), r.sb, r.ss, *plan.c_strides, *plan.h_strides,
-             plan.eps, float(r.D), 0 if ct is None else ct.stride(0), 0 if ht is None else ht.stride(0)),
-            dict(D=r.D, WELFORD_FMA=WELFORD_FMA, MEAN_V=MEAN_V, SIG_FMA=SIG_FMA,
-                 PASS2=pass2, BLOCK_D=next_pow2(r.D), RSQRT_ASM=RSQRT_ASM and not INTERPRET, R=R,
-                 F32=plan.f32, MODE=plan.mode, AFFINE_FMA=plan.fma, SCALE_TABLE=ct is not None,
-                 SHIFT_TABLE=ht is not None),
-            dict(num_warps=num_warps, enable_fp_fusion=False),
-        )
-    else:
-        block_d = next_pow2(r.D)
-        R, num_warps = config or high_launch_shape(block_d, r.S, x.element_size())
-        _launch_high(
-            (cdiv(r.S, R), r.B), tensors,
-            (r.S, r.D, r.sb, r.ss, *plan.c_strides, *plan.h_strides, plan.eps, 1.0 / r.D),
-            dict(R=R, BLOCK_D=block_d),
-            dict(num_warps=num_warps, enable_fp_fusion=False),  # see _norm.modulate_once
-        )
+    launch = _launch_exact if plan.exact else _launch_high
+    launch.launch(_recipe_of(plan, config, stats),
+                  _operands(plan.exact, x, plan.scale, plan.shift, out, stats, plan.scale_table, plan.shift_table))
     return out
+
+
+def bind_layer_norm_modulate(plan):
+    """The plan's launch bound to its geometry (`OpSpec.bind`): `run(x, scale, shift,
+    eps)` (or `(x, weight, bias, eps)` for the affine variant) for a call with the
+    plan's shapes, strides, dtypes and devices (and eps); None where the call's
+    pointers miss an alignment the guard requires."""
+    recipe, launch = _recipe_of(plan), (_launch_exact if plan.exact else _launch_high).launch
+    x = plan.x
+    checks = ()
+    if plan.exact and x.is_contiguous() and (not plan.f32 or x.dtype is torch.float32):
+        checks = ((0, 16 if plan.f32 else 4 * x.element_size()),)  # the guard's alignment of x (aten's kernel choice)
+    if plan.mode:
+        checks += tuple((i, 16) for i, p in ((1, plan.scale), (2, plan.shift))
+                        if p.dtype is torch.float32 and p.stride(0) == 1)
+    folded_c, folded_h = plan.scale_table is not None, plan.shift_table is not None
+    exact = plan.exact  # (the closure keeps no tensor of the call that bound it)
+
+    def run(*args):
+        for i, align in checks:
+            if args[i].data_ptr() % align:
+                return None
+        x, scale, shift = args[0], args[1], args[2]
+        ct = ht = None
+        if folded_c:
+            ct, scale = scale.table, scale.temb
+        if folded_h:
+            ht, shift = shift.table, shift.temb
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        launch(recipe, _operands(exact, x, scale, shift, out, None, ct, ht))
+        return out
+
+    return run
 
 
 def layer_norm_modulate(x, scale, shift, eps: float, *, tier: str = "lossless") -> torch.Tensor:
@@ -678,6 +719,7 @@ SPEC = OpSpec(
     plan=plan_layer_norm_modulate,
     launch={"lossless": launch_layer_norm_modulate, "high": launch_layer_norm_modulate},
     tiers=("lossless", "high"),
+    bind={"lossless": bind_layer_norm_modulate, "high": bind_layer_norm_modulate},
     reference64=_reference64,
     terms=_terms,
     make_args=_make_args,
@@ -705,6 +747,7 @@ F32_SPEC = OpSpec(
     reference=layer_norm_modulate_f32_reference,
     plan=plan_layer_norm_modulate_f32,
     launch={"lossless": launch_layer_norm_modulate},
+    bind={"lossless": bind_layer_norm_modulate},
     reference64=_f32_reference64,
     terms=_f32_terms,
     make_args=_f32_make_args,
@@ -739,6 +782,7 @@ AFFINE_SPEC = OpSpec(
     reference=layer_norm_f32_reference,
     plan=plan_layer_norm_f32,
     launch={"lossless": launch_layer_norm_modulate},
+    bind={"lossless": bind_layer_norm_modulate},
     reference64=_affine_reference64,
     terms=_affine_terms,
     make_args=_affine_make_args,

@@ -184,6 +184,25 @@ def launch_modulate(plan: ModulatePlan, out=None, config=None) -> torch.Tensor:
     return out
 
 
+def bind_modulate(plan: ModulatePlan):
+    """The plan's launch bound to its geometry (`OpSpec.bind`): `run(x, scale, shift)` for
+    a call with the plan's shapes, strides, dtypes and devices (Folded where the plan's were)."""
+    recipe, launch = plan.recipe, _launch.launch
+    folded_c, folded_h = plan.scale_table is not None, plan.shift_table is not None
+
+    def run(x, scale, shift):
+        ct = ht = None
+        if folded_c:
+            ct, scale = scale.table, scale.temb
+        if folded_h:
+            ht, shift = shift.table, shift.temb
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        launch(recipe, (x, scale, shift, out, scale if ct is None else ct, shift if ht is None else ht))
+        return out
+
+    return run
+
+
 def modulate(x, scale, shift) -> torch.Tensor:
     """`x * (1 + scale) + shift`, guarded but ungated: the kernel where eligible,
     else the eager reference. `scale`/`shift` may be Folded."""
@@ -222,6 +241,7 @@ SPEC = OpSpec(
     reference=modulate_reference,
     plan=plan_modulate,
     launch={"lossless": launch_modulate},
+    bind={"lossless": bind_modulate},
     reference64=modulate_reference64,
     terms=modulate_terms,
     make_args=_make_args,

@@ -98,6 +98,7 @@ from . import cases
 from ._launch import (
     INTERPRET,
     FastLaunch,
+    Recipe,
     cdiv,
     next_pow2,
     register_op,
@@ -304,8 +305,10 @@ def _rms_norm_modulate_high_kernel(
     tl.store(out_ptr + ((r64 * D)[:, None] + cols[None, :]), y, mask=m, cache_modifier=".cs")
 
 
-_launch_exact = FastLaunch(_rms_norm_modulate_exact_kernel)
-_launch_high = FastLaunch(_rms_norm_modulate_high_kernel)
+_launch_exact = FastLaunch(_rms_norm_modulate_exact_kernel, (
+    "D", "REF", "LANES", "XSTEPS", "WARP_INC", "PASS2", "BLOCK_D", "RSQRT_ASM", "R", "MODULATE", "SCALE_TABLE",
+    "SHIFT_TABLE"))
+_launch_high = FastLaunch(_rms_norm_modulate_high_kernel, ("R", "BLOCK_D", "SCALE_TABLE", "SHIFT_TABLE"))
 
 
 # ---------------------------------------------------------------- launcher
@@ -424,43 +427,76 @@ def exact_launch_shape(plan) -> tuple[int, int]:
     return 1, min(plan.lanes // 32, 8)  # few rows: wide blocks
 
 
+def _recipe_of(plan, config=None, stats=None) -> Recipe:
+    """The launch of a guarded plan: the kernel's grid, integers, constexprs and warps."""
+    r, ct, ht = plan.rows, plan.scale_table, plan.shift_table
+    table_strides = (0 if ct is None else ct.stride(0), 0 if ht is None else ht.stride(0))
+    if plan.exact:
+        R, num_warps, pass2 = (tuple(config) + (PASS2,))[:3] if config else exact_launch_shape(plan) + (PASS2,)
+        lanes = plan.lanes
+        return Recipe(
+            (cdiv(r.S, R), r.B),
+            (r.S, int(stats is not None), r.sb, r.ss, *plan.c_strides, *plan.h_strides, *table_strides,
+             plan.eps, plan.factor, float(r.D)),
+            (r.D, 0 if plan.reference == "diffusers" else 1, lanes, max(lanes.bit_length() - 1 - 5, 0), WARP_INC,
+             pass2, next_pow2(r.D), RSQRT_ASM and not INTERPRET, R, plan.modulate, ct is not None, ht is not None),
+            num_warps,
+        )
+    block_d = next_pow2(r.D)
+    R, num_warps = config or high_launch_shape(block_d, r.S, plan.x.element_size())
+    return Recipe(
+        (cdiv(r.S, R), r.B),
+        (r.S, r.D, r.sb, r.ss, *plan.c_strides, *plan.h_strides, *table_strides, plan.eps, 1.0 / r.D),
+        (R, block_d, ct is not None, ht is not None),
+        num_warps,  # FMA contraction off (FastLaunch's default): see _norm.modulate_once
+    )
+
+
+def _operands(exact: bool, x, scale, shift, out, stats, ct, ht) -> tuple:
+    tables = (scale if ct is None else ct, shift if ht is None else ht)
+    if exact:
+        return (x, scale, shift, out, dummy_stats(x) if stats is None else stats) + tables
+    return (x, scale, shift, out) + tables
+
+
 def launch_rms_norm_modulate(plan, out=None, config=None, stats=None) -> torch.Tensor:
     """Run the kernel for a guarded plan, into `out` (contiguous, x's shape) if given.
     `config` overrides (R, num_warps[, pass2]) of the exact kernel, (R, num_warps) of
     the one-pass kernel. `stats` (fp32, 2 per row; exact kernel): receives each row's
     statistic (diffusers: the mean; aten: sigma2 / D) and its rsqrt, for checks
     against aten's."""
-    x, r = plan.x, plan.rows
+    x = plan.x
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    tensors = (x, plan.scale, plan.shift, out)
-    ct, ht = plan.scale_table, plan.shift_table
-    tables = (plan.scale if ct is None else ct, plan.shift if ht is None else ht)
-    table_strides = (0 if ct is None else ct.stride(0), 0 if ht is None else ht.stride(0))
-    folded = dict(SCALE_TABLE=ct is not None, SHIFT_TABLE=ht is not None)
-    if plan.exact:
-        R, num_warps, pass2 = (tuple(config) + (PASS2,))[:3] if config else exact_launch_shape(plan) + (PASS2,)
-        lanes = plan.lanes
-        _launch_exact(
-            (cdiv(r.S, R), r.B), tensors + (dummy_stats(x) if stats is None else stats,) + tables,
-            (r.S, int(stats is not None), r.sb, r.ss, *plan.c_strides, *plan.h_strides, *table_strides,
-             plan.eps, plan.factor, float(r.D)),
-            dict(D=r.D, REF=0 if plan.reference == "diffusers" else 1,
-                 LANES=lanes, XSTEPS=max(lanes.bit_length() - 1 - 5, 0),
-                 WARP_INC=WARP_INC, PASS2=pass2, BLOCK_D=next_pow2(r.D),
-                 RSQRT_ASM=RSQRT_ASM and not INTERPRET, R=R, MODULATE=plan.modulate, **folded),
-            dict(num_warps=num_warps, enable_fp_fusion=False),
-        )
-    else:
-        block_d = next_pow2(r.D)
-        R, num_warps = config or high_launch_shape(block_d, r.S, x.element_size())
-        _launch_high(
-            (cdiv(r.S, R), r.B), tensors + tables,
-            (r.S, r.D, r.sb, r.ss, *plan.c_strides, *plan.h_strides, *table_strides, plan.eps, 1.0 / r.D),
-            dict(R=R, BLOCK_D=block_d, **folded),
-            dict(num_warps=num_warps, enable_fp_fusion=False),  # see _norm.modulate_once
-        )
+    launch = _launch_exact if plan.exact else _launch_high
+    launch.launch(_recipe_of(plan, config, stats),
+                  _operands(plan.exact, x, plan.scale, plan.shift, out, stats, plan.scale_table, plan.shift_table))
     return out
+
+
+def bind_rms_norm_modulate(plan):
+    """The plan's launch bound to its geometry (`OpSpec.bind`): `run(x, scale, shift, eps,
+    reference)` for a call with the plan's shapes, strides, dtypes, devices, eps and
+    reference; None where x misses the alignment the guard requires."""
+    recipe, launch = _recipe_of(plan), (_launch_exact if plan.exact else _launch_high).launch
+    x = plan.x
+    align = 4 * x.element_size() if plan.exact and plan.reference == "aten" and x.is_contiguous() else 0
+    folded_c, folded_h = plan.scale_table is not None, plan.shift_table is not None
+    exact = plan.exact  # (the closure keeps no tensor of the call that bound it)
+
+    def run(x, scale, shift, eps=None, reference=None):
+        if align and x.data_ptr() % align:
+            return None
+        ct = ht = None
+        if folded_c:
+            ct, scale = scale.table, scale.temb
+        if folded_h:
+            ht, shift = shift.table, shift.temb
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        launch(recipe, _operands(exact, x, scale, shift, out, None, ct, ht))
+        return out
+
+    return run
 
 
 def rms_norm_modulate(x, scale, shift, eps: float, reference: str, *, tier: str = "lossless") -> torch.Tensor:
@@ -510,6 +546,7 @@ def _spec(reference: str) -> OpSpec:
         plan=plan_rms_norm_modulate,
         launch={"lossless": launch_rms_norm_modulate, "high": launch_rms_norm_modulate},
         tiers=("lossless", "high"),
+        bind={"lossless": bind_rms_norm_modulate, "high": bind_rms_norm_modulate},
         reference64=_reference64,
         terms=_terms,
         make_args=functools.partial(_make_args, reference=reference),

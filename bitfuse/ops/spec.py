@@ -12,7 +12,7 @@ roundings, so they are exact in every tier).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 TIERS = ("lossless", "high")
@@ -39,6 +39,10 @@ class OpSpec:
         data draw): how verify, the benchmarks, the fuzz run and the tests build
         operands.
     layouts: the parameter layouts `make_args` knows, most common first.
+    bind: kernel tier -> `bind(plan)`, the launch with everything but the tensors
+        fixed: a function of the op's arguments (`reference`'s) for any call whose
+        guard would plan the same (the site keys it by shapes, strides, dtypes,
+        devices), returning the result, or None where this call needs the planner.
     """
 
     name: str
@@ -50,6 +54,7 @@ class OpSpec:
     terms: Callable[..., Any] | None = None
     make_args: Callable[..., tuple] | None = None
     layouts: tuple[str, ...] = ()
+    bind: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
 
     def kernel_tier(self, tier: str) -> str:
         """The kernel a requested tier runs: its own, or the lossless one."""

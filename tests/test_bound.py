@@ -1,0 +1,201 @@
+"""Bound launches (`OpSpec.bind`, `policy.bound`): a verified call's launch kept under
+its site's call key, so that later calls with the same metadata skip the planner and
+the gate. On the CPU, under Triton's interpreter: the kernels' indexing and the
+dispatch (bf16 exactness is the GPU tests' and the fuzz run's)."""
+
+import dataclasses
+import os
+import warnings
+
+import pytest
+import torch
+
+from bitfuse import policy, sites
+from bitfuse.numerics import same_bits
+from bitfuse.ops import SPECS, _params, cases, conv_epilogue, gated_residual, layer_norm_modulate, modulate
+from bitfuse.ops._launch import HAS_TRITON
+
+interpreter = pytest.mark.skipif(
+    not HAS_TRITON or os.environ.get("TRITON_INTERPRET") != "1", reason="needs triton's interpreter (CPU runs)"
+)
+
+
+@pytest.fixture
+def cpu_kernels(monkeypatch):
+    monkeypatch.setattr(_params, "INTERPRET_ON_CPU", True)
+
+
+def _bound_cases():
+    for spec in SPECS.values():
+        for tier in spec.bind:
+            for layout in spec.layouts:
+                if spec.name.startswith("conv_") and layout != "channels-last":
+                    continue  # (the contiguous layout is the same convolution; kept short)
+                yield pytest.param(spec, tier, layout, id=f"{spec.name}-{tier}-{layout}")
+
+
+@interpreter
+@pytest.mark.parametrize("spec, tier, layout", list(_bound_cases()))
+def test_a_bound_launch_is_the_planned_launch_on_new_operands(spec, tier, layout, cpu_kernels, monkeypatch):
+    """Bound to one call's plan, the launch run on fresh operands of the same metadata
+    (other values, other storage) writes what the planner's launch for them writes: the
+    same bits and the same strides, Folded parameters and strided views included."""
+    if spec.name.startswith("conv_"):  # on the CPU aten adds the bias inside; split it as cuDNN would
+        monkeypatch.setattr(conv_epilogue, "conv_backend", lambda *a: "Cudnn")
+    case = cases.Case(2, 6, 264, torch.float32, layout, "special", seed=1, device="cpu", strided=layout == "per-token")
+    first, later = spec.make_args(case), spec.make_args(dataclasses.replace(case, seed=2, data="zeros"))
+    plan = spec.plan(*first, tier=tier)
+    assert plan.__class__ is not str, plan
+    run = spec.bind[tier](plan)
+    with torch.no_grad():
+        out = run(*later)
+        planned = spec.plan(*later, tier=tier)
+        assert planned.key == plan.key
+        ref = spec.launch[tier](planned)
+    assert out is not None and same_bits(out, ref) and out.stride() == ref.stride()
+
+
+@interpreter
+def test_a_bound_layer_norm_declines_an_x_its_guard_would_refuse(cpu_kernels):
+    """The lossless LayerNorm guard sends a contiguous x that is not 4-element aligned to
+    eager (aten takes another kernel there); its bound launch declines such an x (None:
+    the site then asks the planner) rather than launching."""
+    x = torch.randn(2, 6, 40)
+    scale, shift = torch.randn(2, 1, 40), torch.randn(2, 1, 40)
+    run = layer_norm_modulate.bind_layer_norm_modulate(layer_norm_modulate.plan_layer_norm_modulate(x, scale, shift, 1e-6))
+    shifted = torch.randn(2 * 6 * 40 + 1)[1:].view(2, 6, 40)  # contiguous, 4 bytes off the alignment
+    assert isinstance(layer_norm_modulate.plan_layer_norm_modulate(shifted, scale, shift, 1e-6), str)
+    assert run(shifted, scale, shift, 1e-6) is None
+    assert run(x.clone(), scale, shift, 1e-6) is not None
+
+
+def _planner_calls(monkeypatch, module, name):
+    calls = []
+    real = getattr(module, name)
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def _operands(seed=0, D=48):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 5, D, generator=g)
+    scale, shift, gate = torch.randn(2, 1, 3, D, generator=g).unbind(2)
+    return x, scale, shift, gate
+
+
+@interpreter
+def test_sites_keep_a_verified_launch_and_skip_the_planner(cpu_kernels, monkeypatch):
+    """First sight verifies, the next call binds, every later call with the same metadata
+    takes the bound launch (no planner) with eager's bits; other strides, another dtype or
+    autograd recording take the planner."""
+    planned = _planner_calls(monkeypatch, modulate, "plan_modulate")
+    with torch.no_grad():
+        for seed in range(4):
+            x, scale, shift, _ = _operands(seed)
+            assert same_bits(sites.modulate_site(x, scale, shift), x * (1 + scale) + shift)
+        assert len(planned) == 2  # first sight, then the call that bound the launch
+        x, scale, shift, _ = _operands(9)
+        sites.modulate_site(x, scale.contiguous(), shift)  # other strides: another key
+        sites.modulate_site(x.double(), scale.double(), shift.double())  # another dtype (eager: no kernel)
+        assert len(planned) == 4
+    sites.modulate_site(x, scale, shift)  # autograd on: never keyed
+    sites.modulate_site(x, scale, shift)
+    assert len(planned) == 6
+
+
+@interpreter
+def test_folded_and_tensor_parameters_do_not_share_a_key(cpu_kernels, monkeypatch):
+    """A Folded gate and a tensor gate of the same shape are different calls: each its own key."""
+    planned = _planner_calls(monkeypatch, gated_residual, "plan_gated_residual")
+    x, _, _, gate = _operands()
+    folded = _params.Folded(torch.randn(48), torch.randn(2, 1, 48))
+    with torch.no_grad():
+        for _ in range(3):
+            assert same_bits(sites.gated_residual_site(x, x, gate), x + x * gate)
+            assert same_bits(sites.gated_residual_site(x, x, folded), x + x * folded.value())
+    assert len(planned) == 4
+
+
+@interpreter
+def test_every_verdict_drops_the_bound_launches(cpu_kernels, monkeypatch):
+    """A verdict reached anywhere (here another op's mismatch), reset_verdicts and
+    reload_env each drop every bound launch: the next call asks the planner again."""
+    planned = _planner_calls(monkeypatch, modulate, "plan_modulate")
+    x, scale, shift, _ = _operands()
+
+    def call():
+        with torch.no_grad():
+            sites.modulate_site(x, scale, shift)
+
+    call(), call(), call()
+    assert len(planned) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", policy.FallbackWarning)
+        policy._record(("other op", "lossless", ("sig",)), "mismatch", "test")
+    call(), call()
+    assert len(planned) == 3
+    policy.reload_env()
+    call(), call()
+    assert len(planned) == 4
+    policy.reset_verdicts()
+    call(), call(), call()
+    assert len(planned) == 6  # first sight again, then bound
+
+
+@interpreter
+def test_nothing_is_bound_when_every_call_is_verified(cpu_kernels, monkeypatch):
+    monkeypatch.setattr(policy, "VERIFY_ALWAYS", True)
+    planned = _planner_calls(monkeypatch, modulate, "plan_modulate")
+    x, scale, shift, _ = _operands()
+    with torch.no_grad():
+        for _ in range(3):
+            sites.modulate_site(x, scale, shift)
+    assert len(planned) == 3
+
+
+@interpreter
+def test_a_bound_launch_that_raises_is_dropped_and_the_gate_decides(cpu_kernels, monkeypatch):
+    """A bound launch that raises is forgotten; the call goes to the planner and the gate,
+    which records the error (the signature then runs eager) and returns eager's bits."""
+    x, scale, shift, _ = _operands()
+    with torch.no_grad():
+        sites.modulate_site(x, scale, shift), sites.modulate_site(x, scale, shift)
+        (site_key,) = policy._bound
+
+        def broken(*args):
+            raise RuntimeError("launch failed")
+
+        policy._bound[site_key] = broken
+        monkeypatch.setattr(modulate, "launch_modulate", broken)
+        monkeypatch.setitem(modulate.SPEC.launch, "lossless", broken)
+        with pytest.warns(policy.FallbackWarning, match="launch failed"):
+            out = sites.modulate_site(x, scale, shift)
+    assert same_bits(out, x * (1 + scale) + shift)
+    assert policy.bound(site_key) is None
+    assert [(v.op, v.status) for v in policy.verdicts()] == [("modulate", "error")]
+
+
+@pytest.mark.parametrize("spec, tier, layout", list(_bound_cases()))
+def test_a_bound_launch_keeps_no_tensor_of_the_call_that_bound_it(spec, tier, layout, cpu_kernels, monkeypatch):
+    """Bound launches live as long as their key (up to policy.MAX_BOUND of them): they must
+    not pin the activations of the call that bound them (a graph pool, a model's memory)."""
+    import gc
+    import weakref
+
+    if spec.name.startswith("conv_"):
+        monkeypatch.setattr(conv_epilogue, "conv_backend", lambda *a: "Cudnn")
+    args = spec.make_args(cases.Case(2, 6, 264, torch.float32, layout, device="cpu"))
+    plan = spec.plan(*args, tier=tier)
+    assert plan.__class__ is not str, plan
+    run = spec.bind[tier](plan)
+    tensors = [t for a in args for t in ((a.table, a.temb) if isinstance(a, _params.Folded) else (a,))
+               if isinstance(t, torch.Tensor)]
+    refs = [weakref.ref(t) for t in tensors]
+    del args, plan, tensors
+    gc.collect()
+    assert run is not None and all(r() is None for r in refs)
