@@ -330,7 +330,9 @@ def summary(models_paths) -> str:
             what = res.get("about") or res["preset"]
             if _depth(cfg) and "layers" not in what:
                 what += f", {_depth(cfg)}"
-            what += f", B={cfg['batch']}" + ("" if name == "default" else f", {name}")
+            if f"B={cfg['batch']}" not in what:
+                what += f", B={cfg['batch']}"
+            what += "" if name == "default" else f", {name}"
             if res.get("status") != "complete":
                 what += " (run cut short by its time limit after these rows)"
             compile_cell = cell(m.get("compile"), "bit-exact")
