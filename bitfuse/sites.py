@@ -4,7 +4,9 @@ residuals, norms and RoPE.
 A site picks a path per call:
 - inside torch.compile tracing it returns the plain eager expression, so
   Inductor sees ordinary ops and fuses them (an opaque op would block that);
-- with BITFUSE_DISABLE=1, likewise the eager expression;
+- with BITFUSE_DISABLE=1, or inside an autocast context (where eager runs a
+  norm in fp32 and a convolution in the lower precision), likewise the eager
+  expression;
 - otherwise the tier in force picks the kernel, and the first-sight gate
   (`policy.gated`) decides whether the fast path may run here; once it has,
   the site keeps the launch bound to the call's metadata (see "bound
@@ -131,8 +133,13 @@ def _tier(block) -> str:
     return "lossless"
 
 
+# autocast changes what eager computes (a norm in fp32, a convolution in the lower
+# precision): under any autocast context the sites take the plain expression
+_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or torch.is_autocast_enabled
+
+
 def _plain() -> bool:
-    return policy.DISABLED or torch.compiler.is_compiling()
+    return policy.DISABLED or torch.compiler.is_compiling() or _autocast()
 
 
 # ---------------------------------------------------------------- bound launches

@@ -102,6 +102,26 @@ def test_sites_emit_the_plain_expression_while_compiling(fake_kernels, monkeypat
     assert fake_kernels == []
 
 
+def test_sites_emit_the_plain_expression_under_autocast(fake_kernels, monkeypatch):
+    """autocast changes eager's computation (here the convolution runs in bf16 on fp32
+    operands): every site takes the plain expression inside it, and eager's result."""
+    from bitfuse.ops import conv_epilogue
+
+    x, scale, shift, gate = _operands()
+    conv, act = torch.nn.Conv2d(8, 16, 1), torch.nn.SiLU()
+    image = torch.randn(2, 8, 4, 4).to(memory_format=torch.channels_last)
+    norm = torch.nn.LayerNorm(8, elementwise_affine=False)
+    for module, name in ((conv_epilogue, "plan_conv_bias_silu"), (layer_norm_modulate, "plan_layer_norm_modulate")):
+        monkeypatch.setattr(module, name, lambda *a, **k: pytest.fail("planned a kernel under autocast"))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = sites.conv_bias_silu_site(conv, act, image)
+        assert out.dtype is torch.bfloat16 and same_bits(out, act(conv(image)))
+        assert same_bits(sites.layer_norm_modulate_site(None, norm, x, scale, shift), norm(x) * (1 + scale) + shift)
+        assert same_bits(sites.modulate_site(x, scale, shift), x * (1 + scale) + shift)
+        assert same_bits(sites.gated_residual_site(x, x, gate), x + x * gate)
+    assert fake_kernels == []
+
+
 def test_disable_flag_forces_eager(fake_kernels, monkeypatch):
     monkeypatch.setattr(policy, "DISABLED", True)
     x, scale, shift, gate = _operands()
