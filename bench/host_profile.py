@@ -8,6 +8,15 @@ the floor under the wall time of a non-graph forward at any size (at tiny M each
 linear also pays cuBLAS's heuristics, so it overstates that floor). Prints ms per
 forward for each mode, then for the last mode cProfile's functions by own time and
 the top-level aten ops one forward dispatches.
+
+    python -m bench.host_profile sana --split      # at the preset's own shape
+
+--split also prints, per mode, the host time of a forward split over the repeated
+blocks' non-leaf children (attention, feed-forward, ...), the blocks' own code (the
+adaLN sites and residuals) and everything outside the blocks: the measurement that
+showed Sana's sites costing more in place than in a loop (bench/NOTES.md,
+2026-12-02). Only non-leaf children are hooked: a hook on a norm or a convolution
+would turn its site off.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import argparse
 import collections
 import cProfile
 import pstats
+import statistics
 import sys
 import time
 
@@ -36,11 +46,72 @@ def wall_ms(call, n: int = 30) -> float:
     return (time.perf_counter() - t) / n * 1e3
 
 
+def blocks_of(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks: the classes its `_repeated_blocks` names (diffusers'
+    attribute, which regional compile reads too), else every module whose class name
+    ends with "Block"."""
+    names = set(getattr(model, "_repeated_blocks", None) or ())
+    if names:
+        return [m for m in model.modules() if type(m).__name__ in names]
+    return [m for m in model.modules() if type(m).__name__.endswith("Block")]
+
+
+def module_split(model: torch.nn.Module, call, n: int = 10) -> dict[str, float]:
+    """Host ms per forward of `call()` (median over `n`, after two warm-up calls), split
+    into each non-leaf child of the repeated blocks (by attribute name, summed over
+    blocks), "blocks, own code" (the blocks less those children) and "outside the
+    blocks", with "total". Hooks are removed before returning."""
+    blocks = blocks_of(model)
+    if not blocks:
+        raise ValueError(f"{type(model).__name__}: no repeated blocks to split the host time over")
+    acc: dict[str, float] = collections.defaultdict(float)
+    starts: dict[int, float] = {}
+    handles = []
+
+    def timed(module, name):
+        def pre(m, args):
+            starts[id(m)] = time.perf_counter()
+
+        def post(m, args, out):
+            acc[name] += time.perf_counter() - starts.pop(id(m))
+
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post))
+
+    for block in blocks:
+        timed(block, "blocks")
+        for name, child in block.named_children():
+            if any(True for _ in child.children()):  # non-leaf: no site inspects it
+                timed(child, name)
+    samples = collections.defaultdict(list)
+    try:
+        for i in range(n + 2):
+            acc.clear()
+            t = time.perf_counter()
+            call()
+            total = time.perf_counter() - t
+            if i < 2:
+                continue
+            children = sum(v for k, v in acc.items() if k != "blocks")
+            for k, v in acc.items():
+                if k != "blocks":
+                    samples[k].append(v)
+            samples["blocks, own code"].append(acc["blocks"] - children)
+            samples["outside the blocks"].append(total - acc["blocks"])
+            samples["total"].append(total)
+    finally:
+        for h in handles:
+            h.remove()
+    return {k: statistics.median(v) * 1e3 for k, v in samples.items()}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.host_profile", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(ap, modes_default=("eager", "lossless"))
     ap.add_argument("--top", type=int, default=40, help="cProfile rows (default 40)")
+    ap.add_argument("--split", action="store_true",
+                    help="also the host time per forward split over the blocks' children, per mode")
     args = resolve(ap, ap.parse_args(argv))
     if not torch.cuda.is_available() or args.device.type != "cuda":
         print("bench/host_profile.py needs a CUDA GPU", file=sys.stderr)
@@ -60,6 +131,9 @@ def main(argv=None) -> int:
     for i, mode in enumerate(args.modes):
         with modes.entered(mode, model):
             print(f"{mode:<9} {wall_ms(call):8.2f} ms/forward")
+            if args.split:
+                split = module_split(model, call)
+                print("  host ms: " + ", ".join(f"{k} {v:.2f}" for k, v in split.items()))
             if i < len(args.modes) - 1:
                 continue
             prof = cProfile.Profile()
