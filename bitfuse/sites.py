@@ -8,9 +8,7 @@ A site picks a path per call:
   norm in fp32 and a convolution in the lower precision), likewise the eager
   expression;
 - otherwise the tier in force picks the kernel, and the first-sight gate
-  (`policy.gated`) decides whether the fast path may run here; once it has,
-  the site keeps the launch bound to the call's metadata (see "bound
-  launches" below), and later calls like it skip the planner and the gate.
+  (`policy.gated`) decides whether the fast path may run here.
 
 Parameters (`scale`, `shift`, `gate`) are tensors that broadcast against x
 (per-sample [B, 1, D], per-token [B, S, D], shared [D], or strided views such
@@ -29,7 +27,6 @@ model, all or nothing (`mount`).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -538,8 +535,7 @@ def rms_norm_modulate_site(block, norm, x, scale, shift):
     if tier == "high":
         plan = rms_norm_modulate.plan_rms_norm_modulate(*args, tier="high")
         if plan.__class__ is not str:
-            return policy.gated(_RMS_NORM_MODULATE[kind], "high", plan, args, site_key=site_key,
-                                fallback=functools.partial(_rms_lossless, site_key=site_key))
+            return policy.gated(_RMS_NORM_MODULATE[kind], "high", plan, args, fallback=_rms_lossless, site_key=site_key)
     return _rms_lossless(*args, site_key=site_key)
 
 
@@ -566,8 +562,7 @@ def layer_norm_modulate_site(block, norm, x, scale, shift):
     if tier == "high":
         plan = layer_norm_modulate.plan_layer_norm_modulate(*args, tier="high")
         if plan.__class__ is not str:
-            return policy.gated(_LAYER_NORM_MODULATE, "high", plan, args, site_key=site_key,
-                                fallback=functools.partial(_ln_lossless, site_key=site_key))
+            return policy.gated(_LAYER_NORM_MODULATE, "high", plan, args, fallback=_ln_lossless, site_key=site_key)
     return _ln_lossless(*args, site_key=site_key)
 
 
