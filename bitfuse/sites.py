@@ -8,7 +8,9 @@ A site picks a path per call:
   norm in fp32 and a convolution in the lower precision), likewise the eager
   expression;
 - otherwise the tier in force picks the kernel, and the first-sight gate
-  (`policy.gated`) decides whether the fast path may run here.
+  (`policy.gated`) decides whether the fast path may run here; once it has,
+  the site keeps the launch bound to the call's metadata (see "bound
+  launches" below), and later calls like it skip the planner and the gate.
 
 Parameters (`scale`, `shift`, `gate`) are tensors that broadcast against x
 (per-sample [B, 1, D], per-token [B, S, D], shared [D], or strided views such

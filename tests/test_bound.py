@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 
+import bitfuse
 from bitfuse import policy, sites
 from bitfuse.numerics import same_bits
 from bitfuse.ops import SPECS, _params, cases, conv_epilogue, gated_residual, layer_norm_modulate, modulate
@@ -199,3 +200,31 @@ def test_a_bound_launch_keeps_no_tensor_of_the_call_that_bound_it(spec, tier, la
     del args, plan, tensors
     gc.collect()
     assert run is not None and all(r() is None for r in refs)
+
+
+@interpreter
+def test_a_norm_site_keys_its_eps_and_tier(cpu_kernels, monkeypatch):
+    """The same operands through a LayerNorm of another eps, or under another tier, are
+    other calls, each with its own key (four here), never another's bound launch."""
+    planned = _planner_calls(monkeypatch, layer_norm_modulate, "plan_layer_norm_modulate")
+    monkeypatch.setattr(policy, "_state", {})
+    x, scale, shift = (t.bfloat16() for t in _operands(D=256)[:3])  # (fp32 norm sites are lossless in every tier)
+    keys = set()
+    real = policy.gated
+
+    def spy(spec, tier, plan, args, fallback=None, site_key=None):
+        keys.add(site_key)
+        return real(spec, tier, plan, args, fallback, site_key)
+
+    monkeypatch.setattr(policy, "gated", spy)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", policy.FallbackWarning)
+        for eps in (1e-6, 1e-5):
+            norm = torch.nn.LayerNorm(256, elementwise_affine=False, eps=eps)
+            for tier in ("lossless", "high"):
+                with bitfuse.quality(tier):
+                    out = sites.layer_norm_modulate_site(None, norm, x, scale, shift)
+                if tier == "lossless":
+                    assert same_bits(out, norm(x) * (1 + scale) + shift)
+    assert len(keys - {None}) == 4  # (None: a high miss falls back to the lossless planner, unkeyed)
+    assert len(planned) >= 4
