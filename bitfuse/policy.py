@@ -24,7 +24,7 @@ launch bound to its call's metadata (`OpSpec.bind`) under a key of everything it
 guard reads (shapes, strides, dtypes, devices, parameters' kinds, tier); a later
 call with the same key looks it up (`bound`) and launches without the planner or
 the gate, a few microseconds of host time instead of tens. Every verdict reached
-(a mismatch, an error), `reset_verdicts` and `reload_env` drop every bound launch,
+(verified, mismatch or error), `reset_verdicts` and `reload_env` drop every bound launch,
 and none is kept under BITFUSE_VERIFY=always.
 
 Environment: BITFUSE_DISABLE=1 sends every site to eager; BITFUSE_VERIFY=always
