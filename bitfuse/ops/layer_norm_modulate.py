@@ -73,6 +73,7 @@ from ._launch import (
 )
 from ._norm import (
     MAX_D,
+    bound_norm_launch,
     check_operands,
     dummy_stats,
     high_launch_shape,
@@ -487,24 +488,8 @@ def bind_layer_norm_modulate(plan):
     if plan.mode:
         checks += tuple((i, 16) for i, p in ((1, plan.scale), (2, plan.shift))
                         if p.dtype is torch.float32 and p.stride(0) == 1)
-    folded_c, folded_h = plan.scale_table is not None, plan.shift_table is not None
-    exact = plan.exact  # (the closure keeps no tensor of the call that bound it)
-
-    def run(*args):
-        for i, align in checks:
-            if args[i].data_ptr() % align:
-                return None
-        x, scale, shift = args[0], args[1], args[2]
-        ct = ht = None
-        if folded_c:
-            ct, scale = scale.table, scale.temb
-        if folded_h:
-            ht, shift = shift.table, shift.temb
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        launch(recipe, _operands(exact, x, scale, shift, out, None, ct, ht))
-        return out
-
-    return run
+    return bound_norm_launch(launch, recipe, _operands, plan.exact, plan.scale_table is not None,
+                             plan.shift_table is not None, checks)
 
 
 def layer_norm_modulate(x, scale, shift, eps: float, *, tier: str = "lossless") -> torch.Tensor:

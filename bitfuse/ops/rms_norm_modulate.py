@@ -107,6 +107,7 @@ from ._launch import (
 )
 from ._norm import (
     MAX_D,
+    bound_norm_launch,
     check_operands,
     dummy_stats,
     high_launch_shape,
@@ -480,23 +481,9 @@ def bind_rms_norm_modulate(plan):
     reference; None where x misses the alignment the guard requires."""
     recipe, launch = _recipe_of(plan), (_launch_exact if plan.exact else _launch_high).launch
     x = plan.x
-    align = 4 * x.element_size() if plan.exact and plan.reference == "aten" and x.is_contiguous() else 0
-    folded_c, folded_h = plan.scale_table is not None, plan.shift_table is not None
-    exact = plan.exact  # (the closure keeps no tensor of the call that bound it)
-
-    def run(x, scale, shift, eps=None, reference=None):
-        if align and x.data_ptr() % align:
-            return None
-        ct = ht = None
-        if folded_c:
-            ct, scale = scale.table, scale.temb
-        if folded_h:
-            ht, shift = shift.table, shift.temb
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        launch(recipe, _operands(exact, x, scale, shift, out, None, ct, ht))
-        return out
-
-    return run
+    checks = ((0, 4 * x.element_size()),) if plan.exact and plan.reference == "aten" and x.is_contiguous() else ()
+    return bound_norm_launch(launch, recipe, _operands, plan.exact, plan.scale_table is not None,
+                             plan.shift_table is not None, checks)
 
 
 def rms_norm_modulate(x, scale, shift, eps: float, reference: str, *, tier: str = "lossless") -> torch.Tensor:
