@@ -29,6 +29,7 @@ model, all or nothing (`mount`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -537,7 +538,8 @@ def rms_norm_modulate_site(block, norm, x, scale, shift):
     if tier == "high":
         plan = rms_norm_modulate.plan_rms_norm_modulate(*args, tier="high")
         if plan.__class__ is not str:
-            return policy.gated(_RMS_NORM_MODULATE[kind], "high", plan, args, fallback=_rms_lossless, site_key=site_key)
+            return policy.gated(_RMS_NORM_MODULATE[kind], "high", plan, args, site_key=site_key,
+                                fallback=functools.partial(_rms_lossless, site_key=site_key))
     return _rms_lossless(*args, site_key=site_key)
 
 
@@ -564,7 +566,8 @@ def layer_norm_modulate_site(block, norm, x, scale, shift):
     if tier == "high":
         plan = layer_norm_modulate.plan_layer_norm_modulate(*args, tier="high")
         if plan.__class__ is not str:
-            return policy.gated(_LAYER_NORM_MODULATE, "high", plan, args, fallback=_ln_lossless, site_key=site_key)
+            return policy.gated(_LAYER_NORM_MODULATE, "high", plan, args, site_key=site_key,
+                                fallback=functools.partial(_ln_lossless, site_key=site_key))
     return _ln_lossless(*args, site_key=site_key)
 
 
