@@ -143,11 +143,7 @@ class FastLaunch:
         self.compiled = {}
         self.direct = _knobs is not None and not INTERPRET
 
-    def __call__(self, grid, tensors, ints: tuple, consts, num_warps):
-        if consts.__class__ is dict:  # (constexprs: dict, options: dict) form
-            self.names, consts = tuple(consts), tuple(consts.values())
-            self.fp_fusion = num_warps.get("enable_fp_fusion", False)
-            num_warps = num_warps["num_warps"]
+    def __call__(self, grid, tensors, ints: tuple, consts: tuple, num_warps: int):
         device = tensors[0].get_device()
         if device >= 0 and device != torch._C._cuda_getDevice():
             with torch.cuda.device(device):
