@@ -23,9 +23,9 @@ Bound launches. Once a call's signature is verified, a site may keep the op's
 launch bound to its call's metadata (`OpSpec.bind`) under a key of everything its
 guard reads (shapes, strides, dtypes, devices, parameters' kinds, tier); a later
 call with the same key looks it up (`bound`) and launches without the planner or
-the gate, a few microseconds of host time instead of tens. Every verdict reached
-(verified, mismatch or error), `reset_verdicts` and `reload_env` drop every bound launch,
-and none is kept under BITFUSE_VERIFY=always.
+the gate, a few microseconds of host time instead of tens. A mismatch or an error
+recorded anywhere, `reset_verdicts` and `reload_env` drop every bound launch, and
+none is kept under BITFUSE_VERIFY=always.
 
 Environment: BITFUSE_DISABLE=1 sends every site to eager; BITFUSE_VERIFY=always
 compares every call with eager, not only the first of each signature.
@@ -168,8 +168,8 @@ def _record(key: tuple, status: str, detail: str = "") -> Verdict:
     verdict = Verdict(key[0], key[1], _describe(key), status, _device_name(key), detail)
     _verdicts[key] = verdict
     _state[key] = status == "verified"
-    _bound.clear()
     if status != "verified":
+        _bound.clear()  # (which bound launches served this signature is not kept: drop them all)
         fallback = "the lossless path" if key[1] == "high" else "eager PyTorch"
         warnings.warn(
             f"bitfuse: {verdict.signature} on {verdict.device} "

@@ -123,9 +123,10 @@ def test_folded_and_tensor_parameters_do_not_share_a_key(cpu_kernels, monkeypatc
 
 
 @interpreter
-def test_every_verdict_drops_the_bound_launches(cpu_kernels, monkeypatch):
-    """A verdict reached anywhere (here another op's mismatch), reset_verdicts and
-    reload_env each drop every bound launch: the next call asks the planner again."""
+def test_a_fallback_anywhere_drops_the_bound_launches(cpu_kernels, monkeypatch):
+    """A mismatch or an error recorded anywhere (here another op's), reset_verdicts and
+    reload_env each drop every bound launch: the next call asks the planner again. Another
+    signature's verification leaves them."""
     planned = _planner_calls(monkeypatch, modulate, "plan_modulate")
     x, scale, shift, _ = _operands()
 
@@ -134,6 +135,9 @@ def test_every_verdict_drops_the_bound_launches(cpu_kernels, monkeypatch):
             sites.modulate_site(x, scale, shift)
 
     call(), call(), call()
+    assert len(planned) == 2
+    policy._record(("other op", "lossless", ("verified sig",)), "verified")
+    call()
     assert len(planned) == 2
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", policy.FallbackWarning)
