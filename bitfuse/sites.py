@@ -161,6 +161,19 @@ def _meta(t):
     return None
 
 
+def _metas(obj):
+    """`_meta` through nested tuples and lists (None stays None as "-", strings and
+    numbers as they are), or None where a leaf has no metadata."""
+    if obj is None:
+        return "-"
+    if obj.__class__ in (tuple, list):
+        out = tuple(_metas(o) for o in obj)
+        return None if None in out else out
+    if obj.__class__ in (str, float, int, bool):
+        return obj
+    return _meta(obj)
+
+
 def _call_key(*parts):
     """A call key of `parts` (scalars and `_meta`s), or None where a part has no metadata
     or autograd is recording."""
@@ -405,9 +418,13 @@ def qk_norm_rope_site(norm_q, norm_k, query, key, query_freqs, key_freqs, rope_t
             kind, eps, weights = norms
             args = ((query,), (key,), weights, eps, None if rope_type is None else ((query_freqs, key_freqs),),
                     rope_type, kind)
+            site_key = _call_key("qk_norm_rope", _metas(args))
+            out = _bound(site_key, args)
+            if out is not None:
+                return out
             plan = qk_norm_rope.plan_qk_norm_rope(*args)
             if plan.__class__ is not str:
-                return policy.gated(_QK_NORM_ROPE, "lossless", plan, args)
+                return policy.gated(_QK_NORM_ROPE, "lossless", plan, args, site_key=site_key)
     query, key = norm_q(query), norm_k(key)
     if rope_type is None:
         return query, key
@@ -454,9 +471,13 @@ def joint_qk_norm_rope_site(sources, freqs, rope_type):
             kind, eps, weights = norms
             args = (tuple(s[2] for s in sources), tuple(s[3] for s in sources), weights, eps, per_source,
                     rope_type, kind)
+            site_key = _call_key("qk_norm_rope", _metas(args))
+            out = _bound(site_key, args)
+            if out is not None:
+                return out
             plan = qk_norm_rope.plan_qk_norm_rope(*args)
             if plan.__class__ is not str:
-                return policy.gated(_QK_NORM_ROPE, "lossless", plan, args)
+                return policy.gated(_QK_NORM_ROPE, "lossless", plan, args, site_key=site_key)
     queries = [nq(q) for nq, _, q, _ in sources]
     keys = [nk(k) for _, nk, _, k in sources]
     if rope_type == "complex":  # Qwen-Image: each source rotated, then concatenated
@@ -587,10 +608,15 @@ def rms_norm_site(norm, x):
     kind = norm_kind(norm)
     if kind not in _RMS_NORM_MODULATE:
         return norm(x)
-    plan = rms_norm_modulate.plan_rms_norm(x, norm.eps, kind)
+    args = (x, norm.eps, kind)
+    site_key = _call_key("rms_norm", kind, norm.eps, _meta(x))
+    out = _bound(site_key, args)
+    if out is not None:
+        return out
+    plan = rms_norm_modulate.plan_rms_norm(*args)
     if plan.__class__ is str:
         return norm(x)
-    return policy.gated(_RMS_NORM, "lossless", plan, (x, norm.eps, kind))
+    return policy.gated(_RMS_NORM, "lossless", plan, args, site_key=site_key)
 
 
 # ---------------------------------------------------------------- convolution epilogues

@@ -13,7 +13,7 @@ import torch
 import bitfuse
 from bitfuse import policy, sites
 from bitfuse.numerics import same_bits
-from bitfuse.ops import SPECS, _params, cases, conv_epilogue, gated_residual, layer_norm_modulate, modulate
+from bitfuse.ops import SPECS, _params, cases, conv_epilogue, gated_residual, layer_norm_modulate, modulate, qk_norm_rope
 from bitfuse.ops._launch import HAS_TRITON
 
 interpreter = pytest.mark.skipif(
@@ -35,15 +35,34 @@ def _bound_cases():
                 yield pytest.param(spec, tier, layout, id=f"{spec.name}-{tier}-{layout}")
 
 
+def _width(spec, monkeypatch) -> int:
+    """The case width for `spec` on the CPU, its probes answered as a GPU could answer them."""
+    if spec.name.startswith("conv_"):  # on the CPU aten adds the bias inside; split it as cuDNN would
+        monkeypatch.setattr(conv_epilogue, "conv_backend", lambda *a: "Cudnn")
+    if spec.name == "qk_norm_rope":  # heads of 128; the diffusers mean of 128-wide rows: one of the probe's answers
+        monkeypatch.setitem(qk_norm_rope._MEAN_128, -1, (True, False))
+        return 256
+    return 264
+
+
+def _leaves(obj) -> list:
+    """The tensors in nested arguments (Folded parameters' two included)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, _params.Folded):
+        return [obj.table, obj.temb]
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in _leaves(o)]
+    return []
+
+
 @interpreter
 @pytest.mark.parametrize("spec, tier, layout", list(_bound_cases()))
 def test_a_bound_launch_is_the_planned_launch_on_new_operands(spec, tier, layout, cpu_kernels, monkeypatch):
     """Bound to one call's plan, the launch run on fresh operands of the same metadata
     (other values, other storage) writes what the planner's launch for them writes: the
     same bits and the same strides, Folded parameters and strided views included."""
-    if spec.name.startswith("conv_"):  # on the CPU aten adds the bias inside; split it as cuDNN would
-        monkeypatch.setattr(conv_epilogue, "conv_backend", lambda *a: "Cudnn")
-    case = cases.Case(2, 6, 264, torch.float32, layout, "special", seed=1, device="cpu", strided=layout == "per-token")
+    case = cases.Case(2, 6, _width(spec, monkeypatch), torch.float32, layout, "special", seed=1, device="cpu", strided=layout == "per-token")
     first, later = spec.make_args(case), spec.make_args(dataclasses.replace(case, seed=2, data="zeros"))
     plan = spec.plan(*first, tier=tier)
     assert plan.__class__ is not str, plan
@@ -53,7 +72,11 @@ def test_a_bound_launch_is_the_planned_launch_on_new_operands(spec, tier, layout
         planned = spec.plan(*later, tier=tier)
         assert planned.key == plan.key
         ref = spec.launch[tier](planned)
-    assert out is not None and same_bits(out, ref) and out.stride() == ref.stride()
+    assert out is not None
+    outs, refs = (out, ref) if isinstance(ref, tuple) else ((out,), (ref,))
+    assert len(outs) == len(refs)
+    for o, r in zip(outs, refs):
+        assert same_bits(o, r) and o.stride() == r.stride()
 
 
 @interpreter
@@ -192,14 +215,12 @@ def test_a_bound_launch_keeps_no_tensor_of_the_call_that_bound_it(spec, tier, la
     import gc
     import weakref
 
-    if spec.name.startswith("conv_"):
-        monkeypatch.setattr(conv_epilogue, "conv_backend", lambda *a: "Cudnn")
-    args = spec.make_args(cases.Case(2, 6, 264, torch.float32, layout, device="cpu"))
+    args = spec.make_args(cases.Case(2, 6, _width(spec, monkeypatch), torch.float32, layout, device="cpu"))
     plan = spec.plan(*args, tier=tier)
     assert plan.__class__ is not str, plan
     run = spec.bind[tier](plan)
-    tensors = [t for a in args for t in ((a.table, a.temb) if isinstance(a, _params.Folded) else (a,))
-               if isinstance(t, torch.Tensor)]
+    tensors = _leaves(args)
+    assert tensors
     refs = [weakref.ref(t) for t in tensors]
     del args, plan, tensors
     gc.collect()
@@ -232,3 +253,57 @@ def test_a_norm_site_keys_its_eps_and_tier(cpu_kernels, monkeypatch):
                     assert same_bits(out, norm(x) * (1 + scale) + shift)
     assert len(keys) == 4 and None not in keys  # (a high miss's lossless fallback keeps the high call's key)
     assert len(planned) >= 4
+
+
+@interpreter
+def test_the_norm_and_rope_sites_keep_a_verified_launch(cpu_kernels, monkeypatch):
+    """qk_norm_rope_site, joint_qk_norm_rope_site and rms_norm_site: after first sight
+    and the binding call, the same metadata skips the planner and the gate, with the
+    planned launch's bits; another eps is another key. (On the CPU aten's RMSNorm reduces
+    in another order than on a GPU: the kernels are checked against their own planned
+    launches here, against eager by the GPU tests.)"""
+    from bitfuse.ops import rms_norm_modulate as R
+
+    def rms_norm(x, eps, kind):
+        return R.launch_rms_norm_modulate(R.plan_rms_norm(x, eps, kind))
+
+    monkeypatch.setattr(sites, "_QK_NORM_ROPE", dataclasses.replace(qk_norm_rope.SPEC, reference=qk_norm_rope.qk_norm_rope))
+    monkeypatch.setattr(sites, "_RMS_NORM", dataclasses.replace(R.RMS_NORM_SPEC, reference=rms_norm))
+    gated = []
+    real = policy.gated
+
+    def spy(spec, *a, **k):
+        gated.append(spec.name)
+        return real(spec, *a, **k)
+
+    monkeypatch.setattr(policy, "gated", spy)
+    C, H = 256, 2
+    norm_q, norm_k = torch.nn.RMSNorm(C, eps=1e-6), torch.nn.RMSNorm(C, eps=1e-6)
+    head_q, head_k = torch.nn.RMSNorm(128, eps=1e-6), torch.nn.RMSNorm(128, eps=1e-6)
+    rms = torch.nn.RMSNorm(C, eps=1e-6, elementwise_affine=False)
+    with torch.no_grad():
+        for m in (norm_q, norm_k, head_q, head_k):
+            m.weight.uniform_(0.5, 1.5)
+        for seed in range(4):
+            g = torch.Generator().manual_seed(seed)
+            q, k = torch.randn(2, 5, C, generator=g), torch.randn(2, 5, C, generator=g)
+            theta = torch.rand(2, 5, C, generator=g) * 6
+            freqs = (theta.cos(), theta.sin())
+            out = sites.qk_norm_rope_site(norm_q, norm_k, q, k, freqs, None, "interleaved")
+            ref = qk_norm_rope.qk_norm_rope(
+                (q,), (k,), ((norm_q.weight, norm_k.weight),), 1e-6, ((freqs, freqs),), "interleaved", "aten")
+            assert all(same_bits(o, r) for o, r in zip(out, ref))
+            qh, kh = (t.unflatten(-1, (H, 128)) for t in (q, k))
+            cos, sin = (t[0, :, :128] for t in freqs)
+            joint = sites.joint_qk_norm_rope_site([(head_q, head_k, qh, kh)], (cos, sin), "interleaved")
+            ref = qk_norm_rope.qk_norm_rope(
+                (qh,), (kh,), ((head_q.weight, head_k.weight),), 1e-6, (((cos, sin), (cos, sin)),), "interleaved",
+                "aten")
+            assert all(same_bits(o, r) for o, r in zip(joint, ref))
+            assert same_bits(sites.rms_norm_site(rms, q), rms_norm(q, 1e-6, "aten"))
+        # first sight, then the binding call, for each of the three calls
+        assert [v.status for v in policy.verdicts()] == ["verified"] * 3, policy.verdicts()
+        assert gated.count("qk_norm_rope") == 4 and gated.count("rms_norm") == 2
+        norm_q.eps = norm_k.eps = 1e-5
+        sites.qk_norm_rope_site(norm_q, norm_k, q, k, freqs, None, "interleaved")
+        assert gated.count("qk_norm_rope") == 5

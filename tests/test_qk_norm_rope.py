@@ -521,7 +521,7 @@ def recorded(monkeypatch):
     """policy.gated records the op arguments a site built and returns the op's reference."""
     calls = []
 
-    def gated(spec, tier, plan, args, fallback=None):
+    def gated(spec, tier, plan, args, fallback=None, site_key=None):
         calls.append((spec.name, tier, plan, args))
         return spec.reference(*args)
 

@@ -628,8 +628,7 @@ def _freq_pair(f, rope_type):
             return "complex freqs must be a complex64 tensor (eager promotes other types)"
         if f.requires_grad and torch.is_grad_enabled():
             return "autograd needs the eager graph"
-        r = torch.view_as_real(f)
-        return r[..., 0], r[..., 1]
+        return _complex_pair(f)
     if f.__class__ not in (tuple, list) or len(f) != 2 or not all(isinstance(t, torch.Tensor) for t in f):
         return "freqs is not a (cos, sin) pair"
     cos, sin = f
@@ -647,6 +646,12 @@ def _freq_pair(f, rope_type):
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         return "autograd needs the eager graph"
     return cos, sin
+
+
+def _complex_pair(f):
+    """Views of a complex tensor's real and imaginary parts."""
+    r = torch.view_as_real(f)
+    return r[..., 0], r[..., 1]
 
 
 def _order(norm, NW, N, device, probed=False):
@@ -822,12 +827,7 @@ def launch_qk_norm_rope(plan: QKNormRopePlan, out=None, config=None, stats=None)
         out = (torch.empty(geo.outputs[0], dtype=x0.dtype, device=x0.device),
                torch.empty(geo.outputs[1], dtype=x0.dtype, device=x0.device))
     slots, recipe = _recipe(plan, config)
-    n, ws, fs, xs = geo.n, plan.ws, plan.fs, plan.xs
-    tensors = []
-    for i in slots:
-        x, f = xs[i], fs[i]
-        tensors += (x, x if ws is None else ws[i], x if f is None else f[0], x if f is None else f[1], out[i // n])
-    tensors += tensors[:5] * (MAX_SEGMENTS - len(slots))
+    tensors = _tensors(slots, geo.n, plan.xs, plan.ws, plan.fs, out)
     if stats is None:
         tensors.append(dummy_stats(x0))
         _launch_kernel.launch(recipe, tensors)
@@ -836,6 +836,56 @@ def launch_qk_norm_rope(plan: QKNormRopePlan, out=None, config=None, stats=None)
         ints[-4] = 1  # write_stats
         _launch_kernel(recipe.grid, tensors + [stats], tuple(ints), recipe.consts, recipe.num_warps)
     return out
+
+
+def _tensors(slots, n, xs, ws, fs, out) -> list:
+    """The kernel's tensor arguments: five per segment in launch order (x, weight, cos,
+    sin, output; x where there is none), the unused segments repeating the first."""
+    tensors = []
+    for i in slots:
+        x, f = xs[i], fs[i]
+        tensors += (x, x if ws is None else ws[i], x if f is None else f[0], x if f is None else f[1], out[i // n])
+    tensors += tensors[:5] * (MAX_SEGMENTS - len(slots))
+    return tensors
+
+
+def bind_qk_norm_rope(plan: QKNormRopePlan):
+    """The plan's launch bound to its geometry (`OpSpec.bind`): `run(queries, keys,
+    weights, eps, freqs, rope_type, norm)`, the planner's arguments, for a call with the
+    plan's shapes, strides, dtypes, devices, eps, RoPE and norm; None where an x or a
+    weight misses the 4-element alignment aten's kernel needs. The closure holds no
+    tensor of the call that bound it."""
+    geo = plan.geometry
+    slots, recipe = _recipe(plan, None)
+    n, shapes = geo.n, geo.outputs
+    has_weight, has_freqs = plan.ws is not None, plan.fs[0] is not None
+    complex_freqs = plan.rope[0] == _ROPE_CODE["complex"]
+
+    def run(queries, keys, weights, eps, freqs, rope_type, norm):
+        xs = (*queries, *keys)
+        ws = (*(p[0] for p in weights), *(p[1] for p in weights)) if has_weight else None
+        if norm == "aten":
+            for t in xs:
+                if t.data_ptr() % (4 * t.element_size()) and t.is_contiguous():
+                    return None
+            for t in ws or ():
+                if t.data_ptr() % (4 * t.element_size()):
+                    return None
+        if has_freqs:
+            fs = (*(p[0] for p in freqs), *(p[1] for p in freqs))
+            if complex_freqs:
+                fs = tuple(_complex_pair(f) for f in fs)
+        else:
+            fs = (None,) * (2 * n)
+        x0 = xs[0]
+        out = (torch.empty(shapes[0], dtype=x0.dtype, device=x0.device),
+               torch.empty(shapes[1], dtype=x0.dtype, device=x0.device))
+        tensors = _tensors(slots, n, xs, ws, fs, out)
+        tensors.append(dummy_stats(x0))
+        _launch_kernel.launch(recipe, tensors)
+        return out
+
+    return run
 
 
 def qk_norm_rope(queries, keys, weights, eps, freqs, rope_type, norm):
@@ -1032,6 +1082,7 @@ SPEC = OpSpec(
     reference=qk_norm_rope_reference,
     plan=plan_qk_norm_rope,
     launch={"lossless": launch_qk_norm_rope},
+    bind={"lossless": bind_qk_norm_rope},
     make_args=_make_args,
     layouts=LAYOUTS,
 )

@@ -486,6 +486,23 @@ def bind_rms_norm_modulate(plan):
                              plan.shift_table is not None, checks)
 
 
+def bind_rms_norm(plan):
+    """The launch of a `plan_rms_norm` plan bound to its geometry (`OpSpec.bind`):
+    `run(x, eps, reference)` for a call with the plan's shape, strides, dtype, device,
+    eps and reference; None where x misses the alignment the guard requires."""
+    recipe, launch = _recipe_of(plan), _launch_exact.launch
+    align = 4 * plan.x.element_size() if plan.reference == "aten" and plan.x.is_contiguous() else 0
+
+    def run(x, eps, reference):
+        if align and x.data_ptr() % align:
+            return None
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        launch(recipe, _operands(True, x, x, x, out, None, None, None))
+        return out
+
+    return run
+
+
 def rms_norm_modulate(x, scale, shift, eps: float, reference: str, *, tier: str = "lossless") -> torch.Tensor:
     """`rms_norm(x) * (1 + scale) + shift`, guarded but ungated: the kernel of `tier`
     where eligible, else the eager reference."""
@@ -548,6 +565,7 @@ RMS_NORM_SPEC = OpSpec(
     reference=rms_norm_reference,
     plan=plan_rms_norm,
     launch={"lossless": launch_rms_norm_modulate},
+    bind={"lossless": bind_rms_norm},
     make_args=lambda case: (cases.activation(case, case.generator()), 1e-6, "diffusers"),
     layouts=("none",),
 )
