@@ -93,6 +93,29 @@ def test_a_bound_layer_norm_declines_an_x_its_guard_would_refuse(cpu_kernels):
     assert run(x.clone(), scale, shift, 1e-6) is not None
 
 
+@interpreter
+def test_bound_aten_norms_decline_what_their_guards_refuse(cpu_kernels):
+    """The same for the query/key norm + RoPE and the norm-only kernels with aten's
+    RMSNorm: a contiguous x (or a weight) off the 4-element alignment is refused by the
+    planner, and the bound launch declines it."""
+    from bitfuse.ops import rms_norm_modulate
+
+    def off(shape):  # contiguous, 4 bytes off the alignment
+        return torch.randn(torch.Size(shape).numel() + 1)[1:].view(shape)
+
+    q, k, w = torch.randn(2, 6, 64), torch.randn(2, 6, 64), (torch.rand(64) + 0.5, torch.rand(64) + 0.5)
+    args = ((q,), (k,), (w,), 1e-6, None, None, "aten")
+    run = qk_norm_rope.bind_qk_norm_rope(qk_norm_rope.plan_qk_norm_rope(*args))
+    for bad in (((off(q.shape),), (k,), (w,)), ((q,), (k,), ((w[0], off((64,))),))):
+        assert isinstance(qk_norm_rope.plan_qk_norm_rope(*bad, *args[3:]), str)
+        assert run(*bad, *args[3:]) is None
+    assert run((q.clone(),), (k.clone(),), (w,), *args[3:]) is not None
+    run = rms_norm_modulate.bind_rms_norm(rms_norm_modulate.plan_rms_norm(q, 1e-6, "aten"))
+    assert isinstance(rms_norm_modulate.plan_rms_norm(off(q.shape), 1e-6, "aten"), str)
+    assert run(off(q.shape), 1e-6, "aten") is None
+    assert run(q.clone(), 1e-6, "aten") is not None
+
+
 def _planner_calls(monkeypatch, module, name):
     calls = []
     real = getattr(module, name)
