@@ -38,6 +38,7 @@ from . import policy
 from .ops import (
     conv_epilogue,
     gated_residual,
+    head_gate,
     layer_norm_modulate,
     modulate,
     qk_norm_rope,
@@ -48,6 +49,7 @@ from .ops._params import Folded, value, value32
 
 _MODULATE = modulate.SPEC
 _GATED_RESIDUAL = gated_residual.SPEC
+_HEAD_GATE = head_gate.SPEC
 _RMS_NORM_MODULATE = rms_norm_modulate.SPECS
 _RMS_NORM = rms_norm_modulate.RMS_NORM_SPEC
 _LAYER_NORM_MODULATE = layer_norm_modulate.SPEC
@@ -234,6 +236,25 @@ def gated_residual_site(x, y, gate):
     if plan.__class__ is str:
         return gated_residual.gated_residual_reference(x, y, gate)
     return policy.gated(_GATED_RESIDUAL, "lossless", plan, args, site_key=site_key)
+
+
+def head_gate_site(y, gate, heads: int):
+    """`(y.unflatten(-1, (heads, -1)) * gate.unsqueeze(-1)).flatten(-2)`: each head of y
+    scaled by its gate (LTX-2.3's gated attention), bit-exact in every tier.
+
+    y: [B, S, C] or [N, C]; gate: [B, S, heads] or broadcasting to it. Returns a
+    tensor of y's shape and dtype (eager's type promotion when dtypes mix)."""
+    if _plain() or not isinstance(gate, torch.Tensor) or gate.dim() == 0 or gate.shape[-1] != heads:
+        return (y.unflatten(-1, (heads, -1)) * gate.unsqueeze(-1)).flatten(-2)
+    args = (y, gate)
+    site_key = _call_key("head_gate", _meta(y), _meta(gate))
+    out = _bound(site_key, args)
+    if out is not None:
+        return out
+    plan = head_gate.plan_head_gate(y, gate)
+    if plan.__class__ is str:
+        return head_gate.head_gate_reference(y, gate)
+    return policy.gated(_HEAD_GATE, "lossless", plan, args, site_key=site_key)
 
 
 # ---------------------------------------------------------------- fp32-compute sites (Wan)
@@ -600,9 +621,9 @@ def _ln_lossless(x, scale, shift, eps, site_key=None):
 
 
 def rms_norm_site(norm, x):
-    """`norm(x)` for a weightless RMSNorm whose output is modulated more than once
-    (LTX-2's a2v/v2a norms): the exact kernel without its modulate, bit-exact in
-    every tier. x: [B, S, D] or [N, D], contiguous last dimension."""
+    """`norm(x)` for a weightless RMSNorm whose output is not modulated once (LTX-2's
+    a2v/v2a norms, modulated twice; LTX-2.0's norm2, not at all): the exact kernel
+    without its modulate, bit-exact in every tier. x: [B, S, D] or [N, D], contiguous last dimension."""
     if _plain():
         return norm(x)
     kind = norm_kind(norm)

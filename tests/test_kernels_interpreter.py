@@ -13,6 +13,7 @@ import torch
 from bitfuse.numerics import same_bits
 from bitfuse.ops import SPECS, _params, cases
 from bitfuse.ops import gated_residual as G
+from bitfuse.ops import head_gate as HG
 from bitfuse.ops import modulate as M
 from bitfuse.ops._launch import HAS_TRITON, needs_int64
 from bitfuse.ops._params import (
@@ -147,6 +148,47 @@ def test_a_permuted_x_takes_eager(monkeypatch):
         assert plan.__class__ is not str, plan
 
 
+def head_gate_plan(y, gate, wide=False):
+    return HG.HeadGatePlan(y, gate, *HG._geometry_of(y, gate, wide=wide))
+
+
+@pytest.mark.parametrize("B,S,C,H", [(1, 1, 8, 1), (2, 7, 100, 4), (3, 13, 256, 2), (2, 5, 2240, 35), (1, 3, 4096, 32)])
+def test_head_gate_indexing(B, S, C, H):
+    """Each head of y scaled by its own gate: per-token, per-sample, strided and shared
+    gates, padded rows of y, 2-D y, int32 and int64 offsets, masked multi-row tiles."""
+    g = torch.Generator().manual_seed(B * 1000 + S * 10 + C)
+    y = torch.randn(B, S, C + 12, generator=g)[..., 5 : 5 + C]  # rows of C inside rows of C + 12
+    gates = {
+        "per-token": torch.randn(B, S, H, generator=g),
+        "per-sample": torch.randn(B, 1, H, generator=g),
+        "strided": torch.randn(B, H, S, generator=g).transpose(1, 2),  # a permuted gate is read in place
+        "shared": torch.randn(H, generator=g),
+    }
+    for name, gate in gates.items():
+        ref = (y.unflatten(-1, (H, -1)) * gate.unsqueeze(-1)).flatten(-2)
+        for config in CONFIGS:
+            for wide in (False, True) if config is None else (False,):
+                out = torch.full((B, S, C), float("nan"))
+                HG.launch_head_gate(head_gate_plan(y, gate, wide), out=out, config=config)
+                assert same_bits(out, ref), (name, config, wide)
+    y2, gate2 = y[0], gates["per-token"][0]
+    assert same_bits(HG.launch_head_gate(head_gate_plan(y2, gate2)), HG.head_gate_reference(y2, gate2))
+
+
+def test_head_gate_guard(monkeypatch):
+    y = torch.randn(2, 3, 8)
+    assert HG.plan_head_gate(y, torch.randn(2, 3, 2)) == "CPU tensor"
+    monkeypatch.setattr(_params, "INTERPRET_ON_CPU", True)
+    assert HG.plan_head_gate(y, torch.randn(2, 3, 3)) == "y's 8 channels do not split into the gate's 3 heads"
+    assert HG.plan_head_gate(y, torch.randn(2, 4, 2)) == "gate does not broadcast to y's rows"
+    assert HG.plan_head_gate(y, torch.randn(2, 3, 2, dtype=torch.float64)) == "mixed dtypes (eager type promotion applies)"
+    assert "permuted" in HG.plan_head_gate(torch.randn(3, 2, 8).transpose(0, 1), torch.randn(2, 3, 2))
+    assert HG.plan_head_gate(torch.randn(2, 3, 4, 8), torch.randn(2, 3, 4)) == "y must be 2-D or 3-D, got 4-D"
+    per_token, per_sample = HG.plan_head_gate(y, torch.randn(2, 3, 2)), HG.plan_head_gate(y, torch.randn(2, 1, 2))
+    assert per_token.key != per_sample.key and per_token.head_dim == 4
+    assert HG.plan_head_gate(y, torch.randn(2, 3, 4)).key != per_token.key  # the head width is in the signature
+
+
 @pytest.mark.parametrize("T", [1, 7])
 def test_folded_parameters_equal_the_materialised_sum(T):
     """Folded(table row, temb view), as LTX-2's get_mod_params makes them: the kernels add
@@ -182,7 +224,7 @@ def test_folded_guard():
     assert same_bits(f.value(), f.table + f.temb)
 
 
-@pytest.mark.parametrize("name", ["modulate", "gated_residual", "rotary[interleaved]", "rotary[split]"])
+@pytest.mark.parametrize("name", ["modulate", "gated_residual", "head_gate", "rotary[interleaved]", "rotary[split]"])
 @pytest.mark.parametrize("data", cases.DATA)
 def test_specs_are_bitwise_on_every_data_draw(name, data, monkeypatch):
     """Each op's declaration end to end (make_args, plan, launch into a poisoned output,

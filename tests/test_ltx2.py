@@ -272,7 +272,8 @@ def test_rope_cache_skips_passed_coords_hooks_and_compiling(monkeypatch):
 
 # ---------------------------------------------------------------- every site goes through bitfuse
 
-_SITE_FUNCS = ("rms_norm_modulate_site", "layer_norm_modulate_site", "modulate_site", "gated_residual_site")
+_SITE_FUNCS = ("rms_norm_modulate_site", "layer_norm_modulate_site", "modulate_site", "gated_residual_site",
+               "rms_norm_site", "head_gate_site")
 
 
 @contextlib.contextmanager
@@ -316,11 +317,12 @@ def _counts(records):
 @pytest.mark.parametrize(
     "variant,options,per_block",
     [
-        # per block: (rms_norm_modulate, modulate, gated_residual)
-        ("2.0", {}, (4, 4, 6)),
-        ("2.3", {}, (6, 6, 8)),  # + text Q norm-modulate x2, text K/V modulate x2, text gated residual x2
-        ("2.0", {"isolate_modalities": True}, (4, 0, 4)),  # no a2v/v2a
-        ("2.3", {"isolate_modalities": True}, (6, 2, 6)),
+        # per block: (rms_norm_modulate, modulate, gated_residual, rms_norm, head_gate)
+        ("2.0", {}, (4, 4, 6, 4, 0)),  # rms_norm: the text-attention norms (unmodulated in 2.0), a2v and v2a
+        ("2.3", {}, (6, 6, 8, 2, 6)),  # + text Q norm-modulate x2, text K/V modulate x2, text gated residual x2;
+        # every attention gated per head
+        ("2.0", {"isolate_modalities": True}, (4, 0, 4, 2, 0)),  # no a2v/v2a
+        ("2.3", {"isolate_modalities": True}, (6, 2, 6, 0, 4)),
     ],
 )
 def test_every_adaln_site_is_routed(monkeypatch, variant, options, per_block):
@@ -332,10 +334,11 @@ def test_every_adaln_site_is_routed(monkeypatch, variant, options, per_block):
         with bitfuse.accelerate(model):
             out = _run(model, kw)
     n = len(model.transformer_blocks)
-    rms, mod, gated = per_block
+    rms, mod, gated, norm, head_gate = per_block
     expected = {"rms_norm_modulate_site": rms * n, "layer_norm_modulate_site": 2, "gated_residual_site": gated * n}
-    if mod:
-        expected["modulate_site"] = mod * n
+    for name, count in (("modulate_site", mod), ("rms_norm_site", norm), ("head_gate_site", head_gate)):
+        if count:
+            expected[name] = count * n
     assert _counts(records) == expected
     # every norm site call names its marked block
     names = {r[2] for r in records if r[0].endswith("norm_modulate_site")}

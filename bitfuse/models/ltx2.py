@@ -9,6 +9,7 @@ marked changes only):
 
     norm(x) * (1 + scale) + shift        -> sites.rms_norm_modulate_site(block, norm, x, scale, shift)
     norm(x), modulated twice (a2v, v2a)  -> sites.rms_norm_site(norm, x)
+    norm(x), not modulated (2.0's norm2) -> the same
     x * (1 + scale) + shift              -> sites.modulate_site(x, scale, shift)
     x + y * gate                         -> sites.gated_residual_site(x, y, gate)
     get_mod_params(table, temb, B)       -> _mod_params: sites.Folded(table[i], temb view), added in the kernels
@@ -17,8 +18,9 @@ marked changes only):
     norm_out(x) * (1 + scale) + shift    -> sites.layer_norm_modulate_site(model, norm_out, x, scale, shift)
 
 The attention processors (`LTX2AudioVideoAttnProcessor`,
-`LTX2PerturbedAttnProcessor`) are copied for the query/key norms and RoPE:
-`sites.qk_norm_rope_site` normalises and rotates query and key in one launch. A
+`LTX2PerturbedAttnProcessor`) are copied for the query/key norms and RoPE
+(`sites.qk_norm_rope_site` normalises and rotates query and key in one launch)
+and for LTX-2.3's per-head output gate (`sites.head_gate_site`). A
 processor instance switches `__class__` to our copy, keeping its backend
 settings; a processor of any other class is left alone. `LTX2Attention.forward`
 is copied to cache the processor's parameter names (diffusers inspects the
@@ -273,7 +275,7 @@ def _block_forward(
     if self.video_cross_attn_adaln:
         norm_hidden_states = sites.rms_norm_modulate_site(self, self.norm2, hidden_states, scale_text_q, shift_text_q)
     else:
-        norm_hidden_states = self.norm2(hidden_states)
+        norm_hidden_states = sites.rms_norm_site(self.norm2, hidden_states)
     if self.cross_attn_adaln:
         # diffusers: encoder_hidden_states = encoder_hidden_states * (1 + scale_text_kv) + shift_text_kv
         encoder_hidden_states = sites.modulate_site(encoder_hidden_states, scale_text_kv, shift_text_kv)
@@ -301,7 +303,7 @@ def _block_forward(
             self, self.audio_norm2, audio_hidden_states, audio_scale_text_q, audio_shift_text_q
         )
     else:
-        norm_audio_hidden_states = self.audio_norm2(audio_hidden_states)
+        norm_audio_hidden_states = sites.rms_norm_site(self.audio_norm2, audio_hidden_states)
     if self.cross_attn_adaln:
         # diffusers: audio_encoder_hidden_states = audio_encoder_hidden_states * (1 + audio_scale_text_kv) + audio_shift_text_kv
         audio_encoder_hidden_states = sites.modulate_site(
@@ -913,11 +915,12 @@ class _AttnProcessor(LTX2AudioVideoAttnProcessor):
         hidden_states = hidden_states.to(query.dtype)
 
         if attn.to_gate_logits is not None:
-            hidden_states = hidden_states.unflatten(2, (attn.heads, -1))  # [B, T, H, D]
+            # diffusers: hidden_states = hidden_states.unflatten(2, (attn.heads, -1))  # [B, T, H, D]
             # The factor of 2.0 is so that if the gates logits are zero-initialized the initial gates are all 1
             gates = 2.0 * torch.sigmoid(gate_logits)  # [B, T, H]
-            hidden_states = hidden_states * gates.unsqueeze(-1)
-            hidden_states = hidden_states.flatten(2, 3)
+            # diffusers: hidden_states = hidden_states * gates.unsqueeze(-1)
+            # diffusers: hidden_states = hidden_states.flatten(2, 3)
+            hidden_states = sites.head_gate_site(hidden_states, gates, attn.heads)
 
         hidden_states = attn.to_out[0](hidden_states)
         hidden_states = attn.to_out[1](hidden_states)
@@ -1003,11 +1006,12 @@ class _PerturbedAttnProcessor(LTX2PerturbedAttnProcessor):
                 hidden_states = torch.lerp(value, hidden_states, perturbation_mask)
 
         if attn.to_gate_logits is not None:
-            hidden_states = hidden_states.unflatten(2, (attn.heads, -1))  # [B, T, H, D]
+            # diffusers: hidden_states = hidden_states.unflatten(2, (attn.heads, -1))  # [B, T, H, D]
             # The factor of 2.0 is so that if the gates logits are zero-initialized the initial gates are all 1
             gates = 2.0 * torch.sigmoid(gate_logits)  # [B, T, H]
-            hidden_states = hidden_states * gates.unsqueeze(-1)
-            hidden_states = hidden_states.flatten(2, 3)
+            # diffusers: hidden_states = hidden_states * gates.unsqueeze(-1)
+            # diffusers: hidden_states = hidden_states.flatten(2, 3)
+            hidden_states = sites.head_gate_site(hidden_states, gates, attn.heads)
 
         hidden_states = attn.to_out[0](hidden_states)
         hidden_states = attn.to_out[1](hidden_states)

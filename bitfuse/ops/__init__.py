@@ -12,6 +12,7 @@ the benchmarks, the fuzz run and the tests iterate over it.
 from . import (
     conv_epilogue,
     gated_residual,
+    head_gate,
     layer_norm_modulate,
     modulate,
     qk_norm_rope,
@@ -26,6 +27,7 @@ SPECS: dict[str, OpSpec] = {
         modulate.SPEC,
         gated_residual.SPEC,
         gated_residual.F32_SPEC,
+        head_gate.SPEC,
         *rms_norm_modulate.SPECS.values(),
         rms_norm_modulate.RMS_NORM_SPEC,
         layer_norm_modulate.SPEC,
@@ -37,5 +39,5 @@ SPECS: dict[str, OpSpec] = {
     )
 }
 
-__all__ = ["SPECS", "TIERS", "OpSpec", "modulate", "gated_residual", "rms_norm_modulate", "layer_norm_modulate",
+__all__ = ["SPECS", "TIERS", "OpSpec", "modulate", "gated_residual", "head_gate", "rms_norm_modulate", "layer_norm_modulate",
            "rotary", "qk_norm_rope", "conv_epilogue"]

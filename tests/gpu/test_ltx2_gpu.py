@@ -89,6 +89,8 @@ def test_lossless_equals_diffusers(variant, batch, per_token, masks):
     )
     ops = {v.op for v in verdicts}
     assert {"modulate", "gated_residual"} <= ops, f"expected the pointwise kernels to run, saw {sorted(ops)}"
+    if variant == "2.3":
+        assert "head_gate" in ops, f"expected the gated attention's per-head gate to run, saw {sorted(ops)}"
     for out in (first, steady):
         assert all(same_bits(o, r) for o, r in zip(out, ref)), _describe(out, ref)
     assert all(same_bits(o, r) for o, r in zip(_run(model, kw), ref))  # restored

@@ -1,4 +1,4 @@
-"""Bit-exactness of the modulate and gated-residual kernels against eager, on the GPU.
+"""Bit-exactness of the modulate, gated-residual and per-head gate kernels against eager, on the GPU.
 
 Fresh random inputs per case, outputs poisoned with NaN before the kernel
 writes, odd sizes, every parameter layout the models produce."""
@@ -162,3 +162,35 @@ def test_folded_parameters_exact(dtype, B, S, D, T):
     # through the sites (gated first sight)
     assert same_bits(sites.modulate_site(x, folded[1], folded[0]), x * (1 + eager[1]) + eager[0])
     assert same_bits(sites.gated_residual_site(x, y, folded[2]), x + y * eager[2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,S,C,H", [(1, 1, 4096, 32), (2, 1031, 4096, 32), (2, 6144, 2048, 32), (3, 126, 2240, 35),
+                                     (2, 257, 100, 4)])
+def test_head_gate_exact_against_eager(dtype, B, S, C, H):
+    """LTX-2.3's gated attention output: each head of y times its gate, on fresh draws with
+    NaN/inf, signed zeros and outlier channels, per-token, per-sample and strided gates,
+    padded rows of y, into NaN-poisoned outputs."""
+    from bitfuse.ops import head_gate as HG
+
+    gen = torch.Generator(device="cuda").manual_seed(hash((str(dtype), B, S, C)) % 2**31)
+    y = torch.randn(B, S, C + 64, device="cuda", dtype=dtype, generator=gen)
+    y[..., torch.randint(0, C, (8,), device="cuda", generator=gen)] *= 64  # outlier channels
+    y.view(-1)[torch.randint(0, y.numel(), (y.numel() // 50,), device="cuda", generator=gen)] = -0.0
+    y[0, 0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=dtype)
+    gates = {"per-token": 2 * torch.sigmoid(torch.randn(B, S, H, device="cuda", dtype=dtype, generator=gen)),
+             "per-sample": torch.randn(B, 1, H, device="cuda", dtype=dtype, generator=gen),
+             "strided": torch.randn(B, S, H + 3, device="cuda", dtype=dtype, generator=gen)[..., 1 : H + 1]}
+    gates["per-token"][-1, -1, 0] = 0.0
+    gates["per-sample"][0, 0, -1] = float("inf")
+    for name, gate in gates.items():
+        for label, ys in (("dense", y[..., :C].contiguous()), ("padded rows", y[..., :C])):
+            ref = (ys.unflatten(-1, (H, -1)) * gate.unsqueeze(-1)).flatten(-2)
+            plan = HG.plan_head_gate(ys, gate)
+            assert not isinstance(plan, str), plan
+            for attempt in range(2):  # the second launch takes the direct launcher
+                out = HG.launch_head_gate(plan, out=_poisoned(ref))
+                assert same_bits(out, ref), f"{name} {label} #{attempt}: {differing(out, ref)} differ"
+            out = sites.head_gate_site(ys, gate, H)  # the site: the gate, then the bound launch
+            assert same_bits(out, ref) and same_bits(sites.head_gate_site(ys, gate, H), ref), (name, label)
+    assert all(v.active for v in policy.verdicts() if v.op == "head_gate"), policy.verdicts()
