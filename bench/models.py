@@ -764,9 +764,31 @@ def versions() -> dict:
     try:
         out["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                        text=True, timeout=10).stdout.strip() or None
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "bitfuse"], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=10).stdout.strip()
+        if out["commit"] and changed:
+            out["commit"] += "+changes"  # the package differs from that commit: `source` says what ran
     except Exception:  # noqa: BLE001 - not a git checkout
         out["commit"] = None
+    out["source"] = source_digest()
     return out
+
+
+def source_digest() -> str:
+    """sha256 (first 16 hex digits) of the bitfuse package's Python sources, by path:
+    what ran, checkable against a checkout of any commit (`python -c "from bench.models
+    import source_digest; print(source_digest())"`) where the copy that ran was not one."""
+    import hashlib
+
+    package = os.path.join(ROOT, "bitfuse")
+    digest = hashlib.sha256()
+    for folder, _, files in sorted(os.walk(package)):
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(folder, name)
+            digest.update(os.path.relpath(path, package).encode() + b"\0")
+            with open(path, "rb") as f:
+                digest.update(f.read())
+    return digest.hexdigest()[:16]
 
 
 def write_json(path: str, result: dict) -> None:

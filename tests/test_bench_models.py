@@ -395,3 +395,19 @@ def test_wan_presets_run_on_a_cpu(tmp_path, preset):
 
     assert models.WAN_VIDEO["2.1-14b"] == (480, 832, 81) and wan_configs.video_tokens("2.1-14b", 480, 832, 81) == 32760
     assert wan_configs.video_tokens("2.2-5b", *models.WAN_VIDEO["2.2-5b"]) == 27280
+
+
+def test_source_digest_names_what_ran(tmp_path, monkeypatch):
+    """The digest of the package's sources: the same for the same files, another for a
+    changed one, blind to anything but .py files; a result records it beside the commit."""
+    (tmp_path / "bitfuse" / "ops").mkdir(parents=True)
+    (tmp_path / "bitfuse" / "a.py").write_text("x = 1\n")
+    (tmp_path / "bitfuse" / "ops" / "b.py").write_text("y = 2\n")
+    monkeypatch.setattr(models, "ROOT", str(tmp_path))
+    first = models.source_digest()
+    assert len(first) == 16 and models.source_digest() == first
+    (tmp_path / "bitfuse" / "notes.txt").write_text("not code")
+    assert models.source_digest() == first
+    (tmp_path / "bitfuse" / "ops" / "b.py").write_text("y = 3\n")
+    assert models.source_digest() != first
+    assert set(models.versions()) >= {"torch", "commit", "source"}
