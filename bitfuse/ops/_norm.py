@@ -82,31 +82,6 @@ def check_operands(x, scale, shift):
     return rows, c, h
 
 
-def bound_norm_launch(launch, recipe, operands, exact: bool, folded_c: bool, folded_h: bool, checks=()):
-    """A norm op's bound launch (`OpSpec.bind`): `run(x, scale, shift, *scalars)` ->
-    the output, or None where a pointer misses an alignment the guard requires
-    (`checks`: (argument index, bytes) pairs). `operands(exact, x, scale, shift, out,
-    stats, scale_table, shift_table)` orders the kernel's tensors; a Folded parameter
-    (folded_c / folded_h) is unpacked into its temb view and table row. The closure
-    holds no tensor of the call that bound it."""
-
-    def run(*args):
-        for i, align in checks:
-            if args[i].data_ptr() % align:
-                return None
-        x, scale, shift = args[0], args[1], args[2]
-        ct = ht = None
-        if folded_c:
-            ct, scale = scale.table, scale.temb
-        if folded_h:
-            ht, shift = shift.table, shift.temb
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        launch(recipe, operands(exact, x, scale, shift, out, None, ct, ht))
-        return out
-
-    return run
-
-
 _DUMMY: dict = {}
 
 

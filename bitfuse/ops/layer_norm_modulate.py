@@ -55,6 +55,8 @@ dtype. Output: a new contiguous tensor of x's shape and dtype.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -73,7 +75,6 @@ from ._launch import (
 )
 from ._norm import (
     MAX_D,
-    bound_norm_launch,
     check_operands,
     dummy_stats,
     high_launch_shape,
@@ -87,6 +88,7 @@ from ._norm import (
 )
 from ._params import (
     Folded,
+    bound_param_launch,
     broadcast_strides,
     common_device_dtype,
     layout_class,
@@ -454,7 +456,7 @@ def _recipe_of(plan, config=None, stats=None) -> Recipe:
                   (R, block_d), num_warps)
 
 
-def _operands(exact: bool, x, scale, shift, out, stats, ct, ht) -> tuple:
+def _operands(exact: bool, x, scale, shift, out, ct, ht, stats=None) -> tuple:
     if exact:
         return (x, scale, shift, out, dummy_stats(x) if stats is None else stats, scale if ct is None else ct,
                 shift if ht is None else ht)
@@ -471,7 +473,7 @@ def launch_layer_norm_modulate(plan, out=None, config=None, stats=None) -> torch
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     launch = _launch_exact if plan.exact else _launch_high
     launch.launch(_recipe_of(plan, config, stats),
-                  _operands(plan.exact, x, plan.scale, plan.shift, out, stats, plan.scale_table, plan.shift_table))
+                  _operands(plan.exact, x, plan.scale, plan.shift, out, plan.scale_table, plan.shift_table, stats))
     return out
 
 
@@ -488,8 +490,8 @@ def bind_layer_norm_modulate(plan):
     if plan.mode:
         checks += tuple((i, 16) for i, p in ((1, plan.scale), (2, plan.shift))
                         if p.dtype is torch.float32 and p.stride(0) == 1)
-    return bound_norm_launch(launch, recipe, _operands, plan.exact, plan.scale_table is not None,
-                             plan.shift_table is not None, checks)
+    return bound_param_launch(launch, recipe, functools.partial(_operands, plan.exact), plan.scale_table is not None,
+                              plan.shift_table is not None, checks)
 
 
 def layer_norm_modulate(x, scale, shift, eps: float, *, tier: str = "lossless") -> torch.Tensor:

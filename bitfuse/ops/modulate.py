@@ -37,6 +37,7 @@ from ._launch import (
 )
 from ._params import (
     Rows,
+    bound_param_launch,
     broadcast_strides,
     common_device_dtype,
     launch_shape,
@@ -171,6 +172,10 @@ def _recipe(r: Rows, c, h, wide, ct, ht, config) -> Recipe:
     )
 
 
+def _operands(x, scale, shift, out, ct, ht) -> tuple:
+    return x, scale, shift, out, scale if ct is None else ct, shift if ht is None else ht
+
+
 def launch_modulate(plan: ModulatePlan, out=None, config=None) -> torch.Tensor:
     """Run the kernel for a guarded plan, into `out` (contiguous, x's shape) if given.
     `config` overrides (BLOCK_R, BLOCK_D, num_warps)."""
@@ -179,28 +184,15 @@ def launch_modulate(plan: ModulatePlan, out=None, config=None) -> torch.Tensor:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     recipe = plan.recipe if config is None else _recipe(plan.rows, plan.c_strides, plan.h_strides, plan.wide, ct, ht,
                                                         config)
-    _launch.launch(recipe, (x, plan.scale, plan.shift, out, plan.scale if ct is None else ct,
-                            plan.shift if ht is None else ht))
+    _launch.launch(recipe, _operands(x, plan.scale, plan.shift, out, ct, ht))
     return out
 
 
 def bind_modulate(plan: ModulatePlan):
     """The plan's launch bound to its geometry (`OpSpec.bind`): `run(x, scale, shift)` for
     a call with the plan's shapes, strides, dtypes and devices (Folded where the plan's were)."""
-    recipe, launch = plan.recipe, _launch.launch
-    folded_c, folded_h = plan.scale_table is not None, plan.shift_table is not None
-
-    def run(x, scale, shift):
-        ct = ht = None
-        if folded_c:
-            ct, scale = scale.table, scale.temb
-        if folded_h:
-            ht, shift = shift.table, shift.temb
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        launch(recipe, (x, scale, shift, out, scale if ct is None else ct, shift if ht is None else ht))
-        return out
-
-    return run
+    return bound_param_launch(_launch.launch, plan.recipe, _operands, plan.scale_table is not None,
+                              plan.shift_table is not None)
 
 
 def modulate(x, scale, shift) -> torch.Tensor:

@@ -107,7 +107,6 @@ from ._launch import (
 )
 from ._norm import (
     MAX_D,
-    bound_norm_launch,
     check_operands,
     dummy_stats,
     high_launch_shape,
@@ -119,7 +118,7 @@ from ._norm import (
     rms_norm64,
     rsqrt,
 )
-from ._params import layout_class, load_param, tables_of
+from ._params import bound_param_launch, layout_class, load_param, tables_of
 from .modulate import modulate_reference
 from .spec import OpSpec
 
@@ -453,7 +452,7 @@ def _recipe_of(plan, config=None, stats=None) -> Recipe:
     )
 
 
-def _operands(exact: bool, x, scale, shift, out, stats, ct, ht) -> tuple:
+def _operands(exact: bool, x, scale, shift, out, ct, ht, stats=None) -> tuple:
     tables = (scale if ct is None else ct, shift if ht is None else ht)
     if exact:
         return (x, scale, shift, out, dummy_stats(x) if stats is None else stats) + tables
@@ -471,7 +470,7 @@ def launch_rms_norm_modulate(plan, out=None, config=None, stats=None) -> torch.T
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     launch = _launch_exact if plan.exact else _launch_high
     launch.launch(_recipe_of(plan, config, stats),
-                  _operands(plan.exact, x, plan.scale, plan.shift, out, stats, plan.scale_table, plan.shift_table))
+                  _operands(plan.exact, x, plan.scale, plan.shift, out, plan.scale_table, plan.shift_table, stats))
     return out
 
 
@@ -482,8 +481,8 @@ def bind_rms_norm_modulate(plan):
     recipe, launch = _recipe_of(plan), (_launch_exact if plan.exact else _launch_high).launch
     x = plan.x
     checks = ((0, 4 * x.element_size()),) if plan.exact and plan.reference == "aten" and x.is_contiguous() else ()
-    return bound_norm_launch(launch, recipe, _operands, plan.exact, plan.scale_table is not None,
-                             plan.shift_table is not None, checks)
+    return bound_param_launch(launch, recipe, functools.partial(_operands, plan.exact), plan.scale_table is not None,
+                              plan.shift_table is not None, checks)
 
 
 def bind_rms_norm(plan):
@@ -497,7 +496,7 @@ def bind_rms_norm(plan):
         if align and x.data_ptr() % align:
             return None
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        launch(recipe, _operands(True, x, x, x, out, None, None, None))
+        launch(recipe, _operands(True, x, x, x, out, None, None))
         return out
 
     return run
