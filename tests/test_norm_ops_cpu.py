@@ -369,14 +369,17 @@ def test_custom_ops_fake_shapes():
         fx, fc, fh = (mode.from_tensor(t) for t in (x, c, h))
         assert torch.ops.bitfuse.rms_norm_modulate(fx, fc, fh, EPS, "diffusers").shape == x.shape
         assert torch.ops.bitfuse.layer_norm_modulate(fx, fc, fh, EPS).shape == x.shape
+        assert torch.ops.bitfuse.head_gate(fx, mode.from_tensor(torch.randn(2, 4, 2))).shape == x.shape
 
 
-@pytest.mark.parametrize("op", ["modulate", "gated_residual", "rms_norm_modulate", "layer_norm_modulate", "rotary"])
+@pytest.mark.parametrize("op", ["modulate", "gated_residual", "head_gate", "rms_norm_modulate", "layer_norm_modulate",
+                                "rotary"])
 def test_custom_ops_say_they_have_no_backward(op):
     """torch.ops.bitfuse.* are for inference: the forward runs, backward says why not."""
     x = torch.randn(2, 4, 256, requires_grad=True)
     c, h = torch.randn(2, 1, 256), torch.randn(256)
-    args = {"modulate": (x, c, h), "gated_residual": (x, x, c), "rms_norm_modulate": (x, c, h, EPS, "aten"),
+    args = {"modulate": (x, c, h), "gated_residual": (x, x, c), "head_gate": (x, torch.randn(2, 4, 2)),
+            "rms_norm_modulate": (x, c, h, EPS, "aten"),
             "layer_norm_modulate": (x, c, h, EPS), "rotary": (x, torch.ones(1, 4, 256), torch.zeros(1, 4, 256),
                                                               "interleaved")}[op]
     out = getattr(torch.ops.bitfuse, op)(*args)
