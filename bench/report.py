@@ -227,8 +227,8 @@ def models_section(path):
         parts = []
         for phase in ("cold", "warm"):
             r = cs.get(phase, {})
-            got = [f"{m} {r[m]['first_call_s']:.1f} s" for m in ("lossless", "compile")
-                   if isinstance(r.get(m), dict) and "first_call_s" in r[m]]
+            got = [f"{m} {r[m]['first_call_s']:.1f} s" + (f" (second {r[m]['second_call_s']:.1f} s)" if "second_call_s" in r[m] else "")
+                   for m in ("lossless", "compile") if isinstance(r.get(m), dict) and "first_call_s" in r[m]]
             parts.append(f"{phase} caches: " + (", ".join(got) if got else f"failed ({r.get('error')})"))
         lines += ["", "First call in a fresh process (`--cold-start`): " + "; ".join(parts) + "."]
     for name, w in res["workloads"].items():

@@ -9,6 +9,7 @@
 from .policy import (
     FallbackWarning,
     Verdict,
+    background_compiles,
     quality,
     requested_quality,
     reset_verdicts,
@@ -48,6 +49,7 @@ def accelerate(model, *, quality: str = "lossless", cuda_graphs: bool = False, f
 __all__ = [
     "accelerate",
     "quality",
+    "background_compiles",
     "requested_quality",
     "verdicts",
     "reset_verdicts",

@@ -930,7 +930,10 @@ class GraphRunner:
 
             entry.call = call
             try:
-                out = self._capture_path(entry, tensors)
+                # kernels compiled and verified in the warm-up itself: a signature still
+                # compiling in the background would be captured as eager
+                with policy.background_compiles(False):
+                    out = self._capture_path(entry, tensors)
             except _WarmupError as exc:
                 raise exc.__cause__ from None  # the function's own error: it would happen eagerly too
             except Exception as exc:

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from .numerics import differing, high_contract, same_bits  # noqa: F401  (same_bits: the lossless contract)
+from .ops import _launch
 from .ops.spec import TIERS, OpSpec
 
 # ---------------------------------------------------------------- environment
@@ -92,6 +93,34 @@ def quality(tier: str):
 def requested_quality() -> str | None:
     """The tier selected by an enclosing `quality(...)`, or None."""
     return _requested.get()
+
+
+# ---------------------------------------------------------------- compiles in the background
+
+_background: contextvars.ContextVar[bool | None] = contextvars.ContextVar("bitfuse_background", default=None)
+
+
+@contextlib.contextmanager
+def background_compiles(enabled: bool = True):
+    """Inside, a lossless first sight whose kernel is not compiled yet starts its
+    compile on a thread pool and returns eager's result (the same bits; high-tier
+    kernels, whose bits differ from eager's, compile in place); a later call of that
+    signature, once compiled, is the first sight the gate verifies. On leaving the
+    outermost block, waits for the compiles it started, so the next call finds every
+    kernel ready. An accelerated model's forward runs inside one: its first call
+    costs about eager's plus the compiles in parallel, not one after another.
+    `enabled=False` keeps compiles in place (CUDA-graph warm-up uses it); an inner
+    block never overrides an outer one."""
+    if _background.get() is not None:
+        yield
+        return
+    token = _background.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _background.reset(token)
+        if enabled:
+            _launch.settle()
 
 
 # ---------------------------------------------------------------- the gate
@@ -239,12 +268,19 @@ def _verify(key, spec: OpSpec, tier: str, plan, args: tuple, fallback):
         try:
             # twice, each into a NaN-poisoned output: the first launch compiles through
             # Triton, the second takes the direct launcher every later call uses
-            out, again = launch(plan, out=_poisoned(ref)), launch(plan, out=_poisoned(ref))
+            # only the lossless tier defers: its stand-in, eager's result, has the kernel's bits
+            # (high's would not, and a high call must not change bits from one call to the next)
+            defer = tier == "lossless" and _background.get()
+            with _launch.deferring() if defer else contextlib.nullcontext() as deferred:
+                out, again = launch(plan, out=_poisoned(ref)), launch(plan, out=_poisoned(ref))
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:
             _record(key, "error", f"{type(exc).__name__}: {exc}")
             return (fallback or spec.reference)(*args)
+        if deferred is not None and deferred.pending:
+            # a kernel is still compiling (background_compiles): eager's result, no verdict yet
+            return ref if fallback is None else fallback(*args)
         if tier == "high" and spec.reference64 is not None:
             ref64, terms64 = spec.reference64(*args), spec.terms(*args)
             why = high_contract(out, ref, ref64, terms64) or high_contract(again, ref, ref64, terms64)

@@ -241,3 +241,31 @@ def test_docstrings_of_the_public_api():
                 _install.CopiedSources, _install.CopiedSources.check, _install.ForwardSwap, _install.ClassSwap):
         assert obj.__doc__ and len(obj.__doc__.strip()) > 20, obj
     assert re.search(r"\bforwards\b.*\bprocessors\b.*\bsites\b", _install.accelerate.__doc__, re.S)
+
+
+def test_the_forward_runs_inside_background_compiles(monkeypatch):
+    """accelerate() runs the model's forward inside policy.background_compiles (the
+    first call compiles its kernels in parallel), keeps the forward's signature,
+    lets an enclosing block decide, waits for the compiles on the way out, and
+    restore() takes it off."""
+    import inspect
+
+    from bitfuse import policy
+    from bitfuse.ops import _launch
+
+    settled, seen = [], []
+    monkeypatch.setattr(_launch, "settle", lambda: settled.append(1))
+    model, x = Model(), torch.randn(2, 3, 8)
+    model.blocks[0].register_forward_pre_hook(lambda m, a: seen.append(policy._background.get()))
+    stock_signature = inspect.signature(model.forward)
+    handle = accelerate(model)
+    assert inspect.signature(model.forward) == stock_signature
+    model(x)
+    assert seen == [True] and settled == [1]
+    with policy.background_compiles(False):
+        model(x)
+    assert seen == [True, False] and settled == [1]
+    handle.restore()
+    assert _stock(model)
+    model(x)
+    assert seen == [True, False, None]

@@ -160,3 +160,106 @@ def test_an_operand_of_another_dtype_compiles_its_own_kernel(monkeypatch):
     launcher.launch(recipe, fp32_weight)
     launcher.launch(recipe, bf16_weight)
     assert [call[1][1].dtype for call in kernel.calls[2:]] == ["fp32", "bf16"] and len(recipe.entries) == 2
+
+
+# ---------------------------------------------------------------- compiles in the background
+
+
+class FakeAsync:
+    """Triton's async-compile module as `_launch` uses it: the active mode (a context
+    variable) and the mode, which hands compiles to its executor."""
+
+    def __init__(self):
+        import contextvars
+
+        self.active_mode = contextvars.ContextVar("mode", default=None)
+
+        class AsyncCompileMode:
+            def __init__(self, executor):
+                self.executor = executor
+
+        self.AsyncCompileMode = AsyncCompileMode
+
+
+class FutureKernel:
+    def __init__(self, future):
+        self.future = future
+
+    def result(self):
+        return self.future.result()
+
+
+class SlowKernel(FakeKernel):
+    """A kernel whose compile, started by `warmup` under an async mode, waits for `go`
+    (or raises, when `broken`)."""
+
+    def __init__(self, fake_async, broken=False):
+        import threading
+
+        super().__init__()
+        self.fake_async, self.broken, self.go, self.compiles = fake_async, broken, threading.Event(), 0
+
+    def _compile(self):
+        self.go.wait(10)
+        self.compiles += 1
+        if self.broken:
+            raise RuntimeError("ptxas says no")
+        return self.compiled
+
+    def warmup(self, *args, grid, **kwargs):
+        mode = self.fake_async.active_mode.get()
+        assert mode is not None, "warmup outside an async mode would compile in place"
+        return FutureKernel(mode.executor.submit(self._compile))
+
+
+def test_a_deferred_launch_compiles_in_the_background_and_launches_nothing(monkeypatch):
+    FakeCuda(monkeypatch)
+    fake_async = FakeAsync()
+    monkeypatch.setattr(launch_core, "_ASYNC", fake_async)
+    kernel = SlowKernel(fake_async)
+    launcher = launch_core.FastLaunch(kernel, ("BLOCK",))
+    args = ((1, 1, 1), (FakeTensor(4096),), (5,), (128,), 4)
+    with launch_core.deferring() as deferred:
+        launcher(*args)
+        launcher(*args)  # still compiling: skipped again, not submitted twice
+    assert deferred.pending == 2 and kernel.calls == [] and launch_core.compiles_pending() == 1
+    kernel.go.set()
+    launch_core.settle()
+    assert launch_core.compiles_pending() == 0 and kernel.compiles == 1
+    with launch_core.deferring() as deferred:
+        launcher(*args)  # compiled: launched, through Triton's path this once
+    assert deferred.pending == 0 and len(kernel.calls) == 1
+    launcher(*args)  # outside deferring too
+    assert len(kernel.calls) == 2
+
+
+def test_outside_deferring_a_launch_compiles_in_place(monkeypatch):
+    FakeCuda(monkeypatch)
+    fake_async = FakeAsync()
+    monkeypatch.setattr(launch_core, "_ASYNC", fake_async)
+    kernel = SlowKernel(fake_async)
+    launcher = launch_core.FastLaunch(kernel, ("BLOCK",))
+    launcher((1, 1, 1), (FakeTensor(4096),), (5,), (128,), 4)
+    assert len(kernel.calls) == 1 and kernel.compiles == 0  # (warmup never called)
+    monkeypatch.setattr(launch_core, "_ASYNC", None)  # a Triton without async compiles
+    with launch_core.deferring() as deferred:
+        launcher((1, 1, 1), (FakeTensor(8192),), (6,), (128,), 4)
+    assert deferred.pending == 0 and len(kernel.calls) == 2
+
+
+def test_a_background_compile_error_raises_at_the_next_launch(monkeypatch):
+    import pytest
+
+    FakeCuda(monkeypatch)
+    fake_async = FakeAsync()
+    monkeypatch.setattr(launch_core, "_ASYNC", fake_async)
+    kernel = SlowKernel(fake_async, broken=True)
+    kernel.go.set()
+    launcher = launch_core.FastLaunch(kernel, ("BLOCK",))
+    args = ((1, 1, 1), (FakeTensor(4096),), (5,), (128,), 4)
+    with launch_core.deferring():
+        launcher(*args)
+    launch_core.settle()
+    with pytest.raises(RuntimeError, match="ptxas says no"):
+        launcher(*args)
+    assert kernel.calls == []

@@ -386,3 +386,40 @@ def test_env_flags(monkeypatch):
     monkeypatch.delenv("BITFUSE_VERIFY")
     policy.reload_env()
     assert not policy.DISABLED and not policy.VERIFY_ALWAYS
+
+
+def test_a_first_sight_still_compiling_returns_eager_and_waits_for_its_kernel(monkeypatch):
+    """Inside background_compiles, a first sight whose kernel is compiling returns
+    eager's result and reaches no verdict; the compiles are waited for on leaving
+    the block, and the next call is the first sight that verifies."""
+    from bitfuse.ops import _launch
+
+    state = {"compiled": False}
+
+    class Launch(Fast):
+        def __call__(self, plan, out=None):
+            if _launch._defer.get() is not None and not state["compiled"]:
+                _launch._defer.get().pending += 1  # what FastLaunch does for a kernel still compiling
+                return out
+            return super().__call__(plan, out)
+
+    monkeypatch.setattr(_launch, "settle", lambda: state.update(compiled=True))
+    policy.reset_verdicts()
+    args = _args()
+    fast = Launch(args)
+    s = spec(fast)
+    with policy.background_compiles():
+        out = policy.gated(s, "lossless", Plan(), args)
+        assert bitfuse.policy.same_bits(out, reference(*args))
+        assert policy.state(s, "lossless", Plan()) is None and fast.calls == 0 and not state["compiled"]
+    assert state["compiled"]
+    out = policy.gated(s, "lossless", Plan(), args)
+    assert policy.state(s, "lossless", Plan()) is True and fast.calls == 2
+    assert bitfuse.policy.same_bits(out, reference(*args))
+    # a high kernel's bits are not eager's: it compiles in place, so no call changes bits later
+    state["compiled"] = False
+    high = Launch(args)
+    h = spec(high, name="high-op")
+    with policy.background_compiles():
+        policy.gated(h, "high", Plan(), args)
+    assert policy.state(h, "high", Plan()) is True and high.calls == 2

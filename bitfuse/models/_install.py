@@ -25,6 +25,7 @@ Nothing here is specific to a model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import inspect
 import re
@@ -44,6 +45,7 @@ __all__ = [
     "AlreadyAcceleratedError",
     "CopiedSources",
     "ForwardSwap",
+    "BackgroundCompiles",
     "ClassSwap",
     "Handle",
     "accelerate",
@@ -215,6 +217,43 @@ class ClassSwap:
     def undo(self) -> None:
         if type(self.obj) is self.ours:
             self.obj.__class__ = self.stock
+
+
+class BackgroundCompiles:
+    """The model's forward (whichever is installed: the class's, a hook's wrapper)
+    run inside `policy.background_compiles()`, so the first call compiles its
+    kernels in parallel while eager computes it; `undo()` takes the wrapper off
+    (or, where something wrapped it since, makes it a pass-through)."""
+
+    __slots__ = ("module", "previous", "ours", "active")
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.previous = module.__dict__.get("forward", _UNSET)
+        self.active = True
+        inner = module.forward
+
+        @functools.wraps(inner)
+        def forward(*args, **kwargs):
+            if not self.active or torch.compiler.is_compiling():
+                return inner(*args, **kwargs)
+            with policy.background_compiles():
+                return inner(*args, **kwargs)
+
+        self.ours = forward
+        module.__dict__["forward"] = forward
+
+    def undo(self) -> None:
+        self.active = False
+        held = self.module.__dict__
+        if held.get("forward") is self.ours:
+            if self.previous is _UNSET:
+                del held["forward"]
+            else:
+                held["forward"] = self.previous
+
+
+_UNSET = object()
 
 
 # ---------------------------------------------------------------- the handle
@@ -390,6 +429,7 @@ def accelerate(
             for name, module, norms in marks:
                 _sites.mark_site(module, name, norms=norms)
                 handle._marked.append(module)
+            handle._installs.append(BackgroundCompiles(model))
             handle.active = True
             model.__dict__["_bitfuse_handle"] = handle
             _sites.mount(model, quality)

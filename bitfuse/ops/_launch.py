@@ -4,8 +4,12 @@ compiled Triton kernel without re-binding its arguments on every call."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import contextvars
 import inspect
 import os
+import threading
 
 import torch
 
@@ -141,6 +145,7 @@ class FastLaunch:
         self.names = constexpr_names
         self.fp_fusion = fp_fusion  # exact kernels keep eager's roundings: no FMA contraction
         self.compiled = {}
+        self.pending = {}  # key -> Triton's FutureKernel, compiling in the background
         self.direct = _knobs is not None and not INTERPRET
 
     def __call__(self, grid, tensors, ints: tuple, consts: tuple, num_warps: int):
@@ -187,7 +192,32 @@ class FastLaunch:
             *head, metadata, None, None, None, *ptrs, *recipe.ints, *recipe.consts)
 
     def _first(self, key, grid, tensors, ints, consts, num_warps) -> None:
-        """Launch through Triton (compiling if needed) and keep the kernel for `key`."""
+        """Launch through Triton (compiling if needed) and keep the kernel for `key`.
+        Inside `deferring()`, a kernel not compiled yet is handed to the compile
+        threads instead, and nothing is launched (see `deferring`)."""
+        deferred = _defer.get()
+        if key in self.pending:
+            if deferred is not None and not self.pending[key].future.done():
+                deferred.pending += 1
+                return
+        elif deferred is not None and _ASYNC is not None:
+            future = self._submit(grid, tensors, ints, consts, num_warps)
+            if future is not None:
+                self.pending[key] = future
+                deferred.pending += 1
+                return
+        if self.pending:
+            # Triton holds a compiling kernel as a FutureKernel, which its launch path
+            # cannot run: wait for this kernel's compiles (keys sharing Triton's entry)
+            mine, others = self.pending.pop(key, None), list(self.pending.values())
+            self.pending.clear()
+            for future in others:
+                try:
+                    future.result()
+                except Exception:
+                    pass  # (raised again at that key's own launch)
+            if mine is not None:
+                mine.result()  # a compile error raises here, as a synchronous compile's would
         k = self.fn[grid](*tensors, *ints, **dict(zip(self.names, consts)), num_warps=num_warps,
                           enable_fp_fusion=self.fp_fusion)
         if not self.direct or k is None:
@@ -207,6 +237,93 @@ class FastLaunch:
             if len(self.compiled) >= self.MAX_KEYS:
                 self.compiled.clear()
             self.compiled[key] = entry
+
+
+    def _submit(self, grid, tensors, ints, consts, num_warps):
+        """Start compiling this launch's kernel on the compile threads; returns Triton's
+        FutureKernel, or None when the kernel is already compiled (in Triton's cache)."""
+        global _executor
+        with _submit_lock:
+            if _executor is None:
+                _executor = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="bitfuse-compile")
+        token = _ASYNC.active_mode.set(_ASYNC.AsyncCompileMode(_executor))
+        try:
+            k = self.fn.warmup(*tensors, *ints, **dict(zip(self.names, consts)), grid=grid, num_warps=num_warps,
+                               enable_fp_fusion=self.fp_fusion)
+        finally:
+            _ASYNC.active_mode.reset(token)
+        future = getattr(k, "future", None)
+        if future is None:
+            return None
+        with _submit_lock:
+            _outstanding.append(future)
+        return k
+
+
+# ---------------------------------------------------------------- compiles in the background
+#
+# A model's first forward meets each kernel signature once. Compiling them one after
+# another as they come (about 0.3 s each) made a full-depth LTX-2 first call 12 s
+# longer than eager's. Inside `deferring()` a launch whose kernel is not compiled yet
+# starts its compile on a thread pool (Triton's AsyncCompileMode: its parser and MLIR
+# passes and ptxas run in parallel threads) and launches nothing; the caller (the gate)
+# counts it and returns eager's result for that call. `settle()` waits for them all.
+
+try:
+    from triton.runtime import _async_compile as _ASYNC
+
+    if not (hasattr(_ASYNC, "AsyncCompileMode") and hasattr(_ASYNC, "active_mode")):
+        _ASYNC = None
+except Exception:  # pragma: no cover - Triton without async compiles: always synchronous
+    _ASYNC = None
+if INTERPRET:
+    _ASYNC = None
+
+COMPILE_THREADS = max(1, min(8, os.cpu_count() or 1))
+_executor = None
+_submit_lock = threading.Lock()
+_outstanding: list = []  # concurrent futures of the compiles started and not yet waited for
+
+
+class Deferred:
+    """What one `deferring()` block found: `pending`, the launches it skipped because
+    their kernel was still compiling."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self):
+        self.pending = 0
+
+
+_defer: contextvars.ContextVar[Deferred | None] = contextvars.ContextVar("bitfuse_defer", default=None)
+
+
+@contextlib.contextmanager
+def deferring():
+    """Launches inside whose kernel is not compiled yet start compiling in the
+    background and are skipped (not launched); yields a `Deferred` counting them.
+    Where Triton has no async compile mode, launches compile in place as usual."""
+    state = Deferred()
+    token = _defer.set(state)
+    try:
+        yield state
+    finally:
+        _defer.reset(token)
+
+
+def compiles_pending() -> int:
+    """How many background compiles have started and not been waited for."""
+    with _submit_lock:
+        return sum(not f.done() for f in _outstanding)
+
+
+def settle() -> None:
+    """Wait for every background compile started so far (their errors surface at the
+    kernel's next launch, where a synchronous compile would have raised them)."""
+    with _submit_lock:
+        futures, _outstanding[:] = list(_outstanding), []
+    if futures:
+        concurrent.futures.wait(futures)
 
 
 def _pointer_types(tensors, ptrs) -> tuple:
