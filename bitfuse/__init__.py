@@ -33,6 +33,10 @@ def accelerate(model, *, quality: str = "lossless", cuda_graphs: bool = False, f
     force: accelerate even a diffusers whose copied code bitfuse has not verified
         (warns; the output may then differ from that diffusers' model).
 
+    The first call compiles the kernels it meets on a thread pool, returning eager's
+    bits at those sites meanwhile, and waits for them before it returns; the second
+    verifies each against eager once (`bitfuse.background_compiles`).
+
     The handle has `.model`, `.quality`, `.graphs` (the runner, or None), `.pipeline`,
     `.sites` and `.restore()` (idempotent; also a context manager). Called again on an
     accelerated model with the same quality, returns the same handle.

@@ -7,7 +7,10 @@ compiling launch and the direct one, each into a NaN-poisoned output) and
 eager, compares, and caches the verdict for the process: agreement enables the
 signature; a mismatch or an exception disables it for good, warns once, and
 returns eager's result. Verification never runs inside torch.compile tracing
-or CUDA-graph capture: there an unverified signature takes eager.
+or CUDA-graph capture: there an unverified signature takes eager. Inside
+`background_compiles()` (an accelerated model's forward), a lossless first sight
+whose kernel is not compiled yet starts the compile on a thread pool and returns
+eager's result; the first call after the compile is the one verified.
 
 Tiers, the contracts the gate checks:
 - "lossless" (default): bitwise equal to eager (`numerics.same_bits`: signed
