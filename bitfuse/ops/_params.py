@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._launch import jit, next_pow2, tl
+from ._launch import cdiv, jit, needs_int64, next_pow2, tl
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -46,6 +46,39 @@ def rows_of(x: torch.Tensor) -> Rows | None:
     if len(shape) == 2:
         return Rows(1, shape[0], shape[1], 0, stride[0], stride[1])
     return None
+
+
+def pointwise_rows(x: torch.Tensor, name: str = "x") -> Rows | str:
+    """The opening of every row-wise pointwise guard: `x`'s rows, or why `x` takes
+    the reference (rank, empty, a permuted view)."""
+    r = rows_of(x)
+    if r is None:
+        return f"{name} must be 2-D or 3-D, got {x.dim()}-D"
+    if x.numel() == 0:
+        return "empty tensor"
+    if permuted(x):
+        return f"{name} is a permuted view: eager's result keeps its layout, the kernel writes row-major"
+    return r
+
+
+def wide_offsets(r: Rows, *extents: tuple[int, int]) -> bool:
+    """Whether a tile kernel over `r`'s rows needs int64 offsets: the output's size,
+    x's span or the span of any other operand's (size, stride) `extents` reaches 2**31."""
+    return r.B * r.S * r.D >= 2**31 or needs_int64((r.B, r.sb), (r.S, r.ss), (r.D, r.sd), *extents)
+
+
+def over_rows(r: Rows, strides: tuple[int, int, int]) -> tuple:
+    """The (size, stride) extents of an operand with (stride_b, stride_s, stride_d)
+    `strides` broadcast over `r`'s B x S x D."""
+    return (r.B, strides[0]), (r.S, strides[1]), (r.D, strides[2])
+
+
+def tile_launch(r: Rows, block_r: int, block_d: int) -> tuple[tuple[int, int, int], bool, int]:
+    """(grid, EVEN, NCB) of a `pointwise_tile` kernel over `r`'s rows in BLOCK_R x
+    BLOCK_D tiles: tiles of a sample along axis 0, samples along axis 2; EVEN when
+    the tiles cover the rows exactly (no masks); NCB column blocks a row."""
+    ncb = cdiv(r.D, block_d)
+    return (cdiv(r.S, block_r) * ncb, 1, r.B), r.S % block_r == 0 and r.D % block_d == 0, ncb
 
 
 def permuted(t: torch.Tensor) -> bool:

@@ -24,9 +24,7 @@ from ._launch import (
     FastLaunch,
     GeometryCache,
     Recipe,
-    cdiv,
     jit,
-    needs_int64,
     register_op,
     tl,
 )
@@ -38,12 +36,15 @@ from ._params import (
     launch_shape,
     layout_class,
     load_row_param,
-    permuted,
+    over_rows,
+    pointwise_rows,
     pointwise_tile,
     rows_of,
+    tile_launch,
     table_of,
     value,
     value32,
+    wide_offsets,
 )
 from .spec import OpSpec
 
@@ -177,22 +178,16 @@ def _same_device_no_grad(x, *params) -> str | None:
 
 def _geometry_of(x, y, gate, table=None, wide=None, f32=False):
     """The guard's per-layout work and the default launch (`wide`: force int64 offsets, for tests)."""
-    r = rows_of(x)
-    if r is None:
-        return f"x must be 2-D or 3-D, got {x.dim()}-D"
-    if x.numel() == 0:
-        return "empty tensor"
-    if permuted(x):
-        return "x is a permuted view: eager's result keeps its layout, the kernel writes row-major"
+    r = pointwise_rows(x)
+    if r.__class__ is str:
+        return r
     if y.shape != x.shape:
         return "y must have x's shape"
     g = broadcast_strides(gate, x.shape)
     if g is None:
         return "gate does not broadcast to x's shape"
     yr = rows_of(y)
-    wide = wide or r.B * r.S * r.D >= 2**31 or needs_int64(
-        (r.B, r.sb), (r.S, r.ss), (r.D, r.sd), (r.B, yr.sb), (r.S, yr.ss), (r.D, yr.sd), (r.B, g[0]), (r.S, g[1]), (r.D, g[2])
-    )
+    wide = wide or wide_offsets(r, *over_rows(r, (yr.sb, yr.ss, yr.sd)), *over_rows(r, g))
     key = (x.dtype, x.get_device(), layout_class(g, gate) + ("+table" if table is not None else ""))
     if f32:
         key += (f"f32 {gate.dtype}" + ("" if table is None else f"+{table.dtype}"),)
@@ -202,11 +197,11 @@ def _geometry_of(x, y, gate, table=None, wide=None, f32=False):
 
 def _recipe(r: Rows, yr: Rows, g, wide, gt, config, f32=False) -> Recipe:
     block_r, block_d, num_warps = config
+    grid, even, ncb = tile_launch(r, block_r, block_d)
     return Recipe(
-        (cdiv(r.S, block_r) * cdiv(r.D, block_d), 1, r.B),
+        grid,
         (r.S, r.D, r.sb, r.ss, r.sd, yr.sb, yr.ss, yr.sd, *g, 0 if gt is None else gt.stride(0)),
-        (g[1] != 0, gt is not None, f32, r.S % block_r == 0 and r.D % block_d == 0, wide, block_r, block_d,
-         cdiv(r.D, block_d)),
+        (g[1] != 0, gt is not None, f32, even, wide, block_r, block_d, ncb),
         num_warps,
     )
 

@@ -30,9 +30,7 @@ from ._launch import (
     FastLaunch,
     GeometryCache,
     Recipe,
-    cdiv,
     jit,
-    needs_int64,
     register_op,
     tl,
 )
@@ -42,9 +40,10 @@ from ._params import (
     common_device_dtype,
     launch_shape,
     layout_class,
-    permuted,
+    pointwise_rows,
     pointwise_tile,
-    rows_of,
+    tile_launch,
+    wide_offsets,
 )
 from .spec import OpSpec
 
@@ -115,13 +114,9 @@ def plan_head_gate(y, gate, tier: str = "lossless") -> HeadGatePlan | str:
 
 def _geometry_of(y, gate, wide=None):
     """The guard's per-layout work and the default launch (`wide`: force int64 offsets, for tests)."""
-    r = rows_of(y)
-    if r is None:
-        return f"y must be 2-D or 3-D, got {y.dim()}-D"
-    if y.numel() == 0:
-        return "empty tensor"
-    if permuted(y):
-        return "y is a permuted view: eager's result keeps its layout, the kernel writes row-major"
+    r = pointwise_rows(y, "y")
+    if r.__class__ is str:
+        return r
     if gate.dim() == 0:
         return "gate has no heads axis"
     heads = gate.shape[-1]
@@ -130,9 +125,7 @@ def _geometry_of(y, gate, wide=None):
     g = broadcast_strides(gate, y.shape[:-1] + (heads,))
     if g is None:
         return "gate does not broadcast to y's rows"
-    wide = wide or r.B * r.S * r.D >= 2**31 or needs_int64(
-        (r.B, r.sb), (r.S, r.ss), (r.D, r.sd), (r.B, g[0]), (r.S, g[1]), (heads, g[2])
-    )
+    wide = wide or wide_offsets(r, (r.B, g[0]), (r.S, g[1]), (heads, g[2]))
     head_dim = r.D // heads
     key = (y.dtype, y.get_device(), layout_class(g, gate), f"heads of {head_dim}")
     config = launch_shape(r.D, r.B * r.S, y.element_size(), 2)
@@ -141,12 +134,8 @@ def _geometry_of(y, gate, wide=None):
 
 def _recipe(r: Rows, g, head_dim, wide, config) -> Recipe:
     block_r, block_d, num_warps = config
-    return Recipe(
-        (cdiv(r.S, block_r) * cdiv(r.D, block_d), 1, r.B),
-        (r.S, r.D, r.sb, r.ss, r.sd, *g),
-        (head_dim, r.S % block_r == 0 and r.D % block_d == 0, wide, block_r, block_d, cdiv(r.D, block_d)),
-        num_warps,
-    )
+    grid, even, ncb = tile_launch(r, block_r, block_d)
+    return Recipe(grid, (r.S, r.D, r.sb, r.ss, r.sd, *g), (head_dim, even, wide, block_r, block_d, ncb), num_warps)
 
 
 def launch_head_gate(plan: HeadGatePlan, out=None, config=None) -> torch.Tensor:

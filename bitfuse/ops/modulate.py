@@ -29,9 +29,7 @@ from ._launch import (
     FastLaunch,
     GeometryCache,
     Recipe,
-    cdiv,
     jit,
-    needs_int64,
     register_op,
     tl,
 )
@@ -43,11 +41,13 @@ from ._params import (
     launch_shape,
     layout_class,
     load_row_param,
-    permuted,
+    over_rows,
+    pointwise_rows,
     pointwise_tile,
-    rows_of,
+    tile_launch,
     tables_of,
     value,
+    wide_offsets,
 )
 from .spec import OpSpec
 
@@ -140,20 +140,14 @@ def plan_modulate(x, scale, shift, tier: str = "lossless") -> ModulatePlan | str
 
 def _geometry_of(x, scale, shift, scale_table=None, shift_table=None, wide=None):
     """The guard's per-layout work and the default launch (`wide`: force int64 offsets, for tests)."""
-    r = rows_of(x)
-    if r is None:
-        return f"x must be 2-D or 3-D, got {x.dim()}-D"
-    if x.numel() == 0:
-        return "empty tensor"
-    if permuted(x):
-        return "x is a permuted view: eager's result keeps its layout, the kernel writes row-major"
+    r = pointwise_rows(x)
+    if r.__class__ is str:
+        return r
     c = broadcast_strides(scale, x.shape)
     h = broadcast_strides(shift, x.shape)
     if c is None or h is None:
         return "scale/shift do not broadcast to x's shape"
-    wide = wide or r.B * r.S * r.D >= 2**31 or needs_int64(
-        (r.B, r.sb), (r.S, r.ss), (r.D, r.sd), (r.B, c[0]), (r.S, c[1]), (r.D, c[2]), (r.B, h[0]), (r.S, h[1]), (r.D, h[2])
-    )
+    wide = wide or wide_offsets(r, *over_rows(r, c), *over_rows(r, h))
     key = (x.dtype, x.get_device(), layout_class(c, scale) + ("+table" if scale_table is not None else ""),
            layout_class(h, shift) + ("+table" if shift_table is not None else ""))
     streams = 2 + (c[1] != 0) + (h[1] != 0)
@@ -163,11 +157,11 @@ def _geometry_of(x, scale, shift, scale_table=None, shift_table=None, wide=None)
 
 def _recipe(r: Rows, c, h, wide, ct, ht, config) -> Recipe:
     block_r, block_d, num_warps = config
+    grid, even, ncb = tile_launch(r, block_r, block_d)
     return Recipe(
-        (cdiv(r.S, block_r) * cdiv(r.D, block_d), 1, r.B),
+        grid,
         (r.S, r.D, r.sb, r.ss, r.sd, *c, *h, 0 if ct is None else ct.stride(0), 0 if ht is None else ht.stride(0)),
-        (c[1] != 0, h[1] != 0, ct is not None, ht is not None, r.S % block_r == 0 and r.D % block_d == 0, wide,
-         block_r, block_d, cdiv(r.D, block_d)),
+        (c[1] != 0, h[1] != 0, ct is not None, ht is not None, even, wide, block_r, block_d, ncb),
         num_warps,
     )
 
