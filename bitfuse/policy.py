@@ -112,9 +112,10 @@ def background_compiles(enabled: bool = True):
     outermost block, waits for the compiles it started, so the next call finds every
     kernel ready. An accelerated model's forward runs inside one: its first call
     costs about eager's plus the compiles in parallel, not one after another.
-    `enabled=False` keeps compiles in place (CUDA-graph warm-up uses it); an inner
-    block never overrides an outer one."""
-    if _background.get() is not None:
+    `enabled=False` keeps compiles in place inside it, even within an enabled block
+    (CUDA-graph warm-up uses it); an enabled block inside another changes nothing."""
+    outer = _background.get()
+    if outer is not None and (enabled or outer is False):
         yield
         return
     token = _background.set(bool(enabled))

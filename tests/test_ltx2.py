@@ -653,9 +653,12 @@ def test_composes_with_hooks_installed_before():
 
     calls = []
 
+    scopes = []
+
     class Counting(ModelHook):
         def pre_forward(self, module, *args, **kwargs):
             calls.append(type(module).__name__)
+            scopes.append(policy._background.get())
             return args, kwargs
 
     class Replacing(ModelHook):  # like diffusers' cache hooks: runs the original itself
@@ -691,6 +694,8 @@ def test_composes_with_hooks_installed_before():
     finally:
         sites.gated_residual_site = real
     assert calls == ["accelerate"] + ["LTX2VideoTransformerBlock", "new_forward"] * len(model.transformer_blocks)
+    # the first-call compile scope runs inside the top-level hook's wrapper, around the blocks
+    assert scopes[-len(model.transformer_blocks):] == [True] * len(model.transformer_blocks)
     assert len(counted) == 8 * len(model.transformer_blocks)  # our block forward ran inside the hooks
     assert model.forward is wrappers["model"]
     assert [b.forward for b in model.transformer_blocks] == wrappers["blocks"]

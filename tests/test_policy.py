@@ -423,3 +423,22 @@ def test_a_first_sight_still_compiling_returns_eager_and_waits_for_its_kernel(mo
     with policy.background_compiles():
         policy.gated(h, "high", Plan(), args)
     assert policy.state(h, "high", Plan()) is True and high.calls == 2
+
+
+def test_background_compiles_nest(monkeypatch):
+    """An enabled block inside another changes nothing (only the outermost waits);
+    a disabled one compiles in place inside it, even within an enabled block."""
+    from bitfuse.ops import _launch
+
+    settled = []
+    monkeypatch.setattr(_launch, "settle", lambda: settled.append(policy._background.get()))
+    with policy.background_compiles():
+        with policy.background_compiles():
+            assert policy._background.get() is True
+        assert settled == []
+        with policy.background_compiles(False):
+            assert policy._background.get() is False
+            with policy.background_compiles():
+                assert policy._background.get() is False
+        assert policy._background.get() is True and settled == []
+    assert settled == [None] and policy._background.get() is None

@@ -220,40 +220,43 @@ class ClassSwap:
 
 
 class BackgroundCompiles:
-    """The model's forward (whichever is installed: the class's, a hook's wrapper)
-    run inside `policy.background_compiles()`, so the first call compiles its
-    kernels in parallel while eager computes it; `undo()` takes the wrapper off
-    (or, where something wrapped it since, makes it a pass-through)."""
+    """The model's innermost forward `func` (bound; the class's or an integration's
+    copy) run inside `policy.background_compiles()`, so a first call compiles its
+    kernels in parallel while eager computes it. Like ForwardSwap, it goes where that
+    forward is held (the instance, or inside a hook's wrapper, which keeps running
+    around it); where no slot holds it (a wrapper bitfuse does not recognise),
+    nothing is installed and kernels compile in place. `undo()` puts it back."""
 
-    __slots__ = ("module", "previous", "ours", "active")
+    __slots__ = ("module", "holder", "key", "inner", "ours")
 
-    def __init__(self, module: torch.nn.Module):
-        self.module = module
-        self.previous = module.__dict__.get("forward", _UNSET)
-        self.active = True
-        inner = module.forward
+    def __init__(self, module: torch.nn.Module, func: Callable):
+        self.module, self.holder, self.key, self.inner = module, None, None, None
+        if "forward" not in module.__dict__:
+            slot = (module.__dict__, "forward", types.MethodType(func, module))
+        else:
+            slot = next(((h, k, h[k]) for h, k in _slots(module) if _is_bound(h.get(k), func, module)), None)
+        if slot is None:
+            return
+        self.holder, self.key, self.inner = slot
+        inner = self.inner
 
         @functools.wraps(inner)
         def forward(*args, **kwargs):
-            if not self.active or torch.compiler.is_compiling():
+            if torch.compiler.is_compiling():
                 return inner(*args, **kwargs)
             with policy.background_compiles():
                 return inner(*args, **kwargs)
 
         self.ours = forward
-        module.__dict__["forward"] = forward
+        self.holder[self.key] = forward
 
     def undo(self) -> None:
-        self.active = False
-        held = self.module.__dict__
-        if held.get("forward") is self.ours:
-            if self.previous is _UNSET:
-                del held["forward"]
+        if self.holder is not None and self.holder.get(self.key) is self.ours:
+            if self.holder is self.module.__dict__ and self.key == "forward" and _is_bound(self.inner, type(self.module).forward, self.module):
+                del self.holder[self.key]  # the class forward shows through again
             else:
-                held["forward"] = self.previous
-
-
-_UNSET = object()
+                self.holder[self.key] = self.inner
+        self.holder = None
 
 
 # ---------------------------------------------------------------- the handle
@@ -429,7 +432,8 @@ def accelerate(
             for name, module, norms in marks:
                 _sites.mark_site(module, name, norms=norms)
                 handle._marked.append(module)
-            handle._installs.append(BackgroundCompiles(model))
+            root = _replaced_class(model, forwards)
+            handle._installs.append(BackgroundCompiles(model, forwards[root] if root is not None else type(model).forward))
             handle.active = True
             model.__dict__["_bitfuse_handle"] = handle
             _sites.mount(model, quality)
