@@ -251,11 +251,12 @@ class BackgroundCompiles:
         self.holder[self.key] = forward
 
     def undo(self) -> None:
-        if self.holder is not None and self.holder.get(self.key) is self.ours:
-            if self.holder is self.module.__dict__ and self.key == "forward" and _is_bound(self.inner, type(self.module).forward, self.module):
-                del self.holder[self.key]  # the class forward shows through again
+        holder, module = self.holder, self.module
+        if holder is not None and holder.get(self.key) is self.ours:
+            if holder is module.__dict__ and self.key == "forward" and _is_bound(self.inner, type(module).forward, module):
+                del holder[self.key]  # the class forward shows through again
             else:
-                self.holder[self.key] = self.inner
+                holder[self.key] = self.inner
         self.holder = None
 
 
@@ -433,7 +434,8 @@ def accelerate(
                 _sites.mark_site(module, name, norms=norms)
                 handle._marked.append(module)
             root = _replaced_class(model, forwards)
-            handle._installs.append(BackgroundCompiles(model, forwards[root] if root is not None else type(model).forward))
+            inner = forwards[root] if root is not None else type(model).forward
+            handle._installs.append(BackgroundCompiles(model, inner))
             handle.active = True
             model.__dict__["_bitfuse_handle"] = handle
             _sites.mount(model, quality)

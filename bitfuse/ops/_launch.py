@@ -238,7 +238,6 @@ class FastLaunch:
                 self.compiled.clear()
             self.compiled[key] = entry
 
-
     def _submit(self, grid, tensors, ints, consts, num_warps):
         """Start compiling this launch's kernel on the compile threads; returns Triton's
         FutureKernel, or None when the kernel is already compiled (in Triton's cache)."""

@@ -44,8 +44,8 @@ from ._params import (
     over_rows,
     pointwise_rows,
     pointwise_tile,
-    tile_launch,
     tables_of,
+    tile_launch,
     value,
     wide_offsets,
 )
