@@ -269,3 +269,30 @@ def test_the_forward_runs_inside_background_compiles(monkeypatch):
     assert _stock(model)
     model(x)
     assert seen == [True, False, None]
+
+
+def test_the_compile_scope_goes_inside_a_hook_wrapper_and_comes_out():
+    """Under HF accelerate's hook pattern (`forward` wraps `_old_forward`), the scope
+    replaces `_old_forward` (the wrapper stays `model.forward`); restore() puts the
+    stock `_old_forward` back."""
+    import functools
+
+    from bitfuse import policy
+
+    model, x = Model(), torch.randn(2, 3, 8)
+    seen = []
+    model._old_forward = model.forward
+
+    def hooked(module, *args, **kwargs):
+        seen.append(("hook", policy._background.get()))
+        return module._old_forward(*args, **kwargs)
+
+    model.forward = functools.update_wrapper(functools.partial(hooked, model), model._old_forward)
+    wrapper = model.forward
+    model.blocks[0].register_forward_pre_hook(lambda m, a: seen.append(("block", policy._background.get())))
+    handle = accelerate(model)
+    assert model.forward is wrapper and model._old_forward.__wrapped__.__func__ is Model.forward  # ours, around it
+    model(x)
+    assert seen == [("hook", None), ("block", True)]
+    handle.restore()
+    assert model.forward is wrapper and model._old_forward.__func__ is Model.forward
