@@ -26,8 +26,9 @@ def accelerate(model, *, quality: str = "lossless", cuda_graphs: bool = False, f
     model: a diffusers transformer bitfuse supports (`bitfuse.models.supported_models()`),
         a pipeline (its `.transformer` is accelerated) or a `torch.compile` wrapper of one.
     quality: the tier mounted on every site, all or nothing: "lossless" (torch.equal
-        to stock diffusers) or "high" (within one ULP a site). `bitfuse.quality(...)`
-        overrides it per call.
+        to stock diffusers) or "high" (at least as accurate as eager: each site's output
+        within one ULP of the float64 value of its expression, mean error no larger than
+        eager's). `bitfuse.quality(...)` overrides it per call.
     cuda_graphs: also replay the forward from CUDA graphs, one per call signature
         (bitfuse.graphs); `graph_options` go to its GraphRunner (max_graphs, warmup, ...).
     force: accelerate even a diffusers whose copied code bitfuse has not verified
