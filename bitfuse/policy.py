@@ -31,7 +31,9 @@ recorded anywhere, `reset_verdicts` and `reload_env` drop every bound launch, an
 none is kept under BITFUSE_VERIFY=always.
 
 Environment: BITFUSE_DISABLE=1 sends every site to eager; BITFUSE_VERIFY=always
-compares every call with eager, not only the first of each signature.
+compares every call with eager, not only the first of each signature;
+BITFUSE_COMPILE_THREADS sets the background compiles' threads (default: up to 8,
+read at import).
 """
 
 from __future__ import annotations

@@ -263,3 +263,16 @@ def test_a_background_compile_error_raises_at_the_next_launch(monkeypatch):
     with pytest.raises(RuntimeError, match="ptxas says no"):
         launcher(*args)
     assert kernel.calls == []
+
+
+def test_compile_threads_from_the_environment(monkeypatch):
+    import pytest
+
+    monkeypatch.setenv("BITFUSE_COMPILE_THREADS", "3")
+    assert launch_core._compile_threads() == 3
+    monkeypatch.delenv("BITFUSE_COMPILE_THREADS")
+    assert 1 <= launch_core._compile_threads() <= 8
+    for bad in ("0", "-2", "many"):
+        monkeypatch.setenv("BITFUSE_COMPILE_THREADS", bad)
+        with pytest.warns(UserWarning, match="not a positive integer"):
+            assert 1 <= launch_core._compile_threads() <= 8

@@ -278,7 +278,24 @@ except Exception:  # pragma: no cover - Triton without async compiles: always sy
 if INTERPRET:
     _ASYNC = None
 
-COMPILE_THREADS = max(1, min(8, os.cpu_count() or 1))
+
+
+def _compile_threads() -> int:
+    """BITFUSE_COMPILE_THREADS (a positive integer), else min(8, the CPU count)."""
+    default = max(1, min(8, os.cpu_count() or 1))
+    text = os.environ.get("BITFUSE_COMPILE_THREADS", "").strip()
+    if not text:
+        return default
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    import warnings
+
+    warnings.warn(f"bitfuse: BITFUSE_COMPILE_THREADS={text!r} is not a positive integer; using {default}",
+                  UserWarning, stacklevel=2)
+    return default
+
+
+COMPILE_THREADS = _compile_threads()  # the background compiles' threads (read at import)
 _executor = None
 _submit_lock = threading.Lock()
 _outstanding: list = []  # concurrent futures of the compiles started and not yet waited for
