@@ -22,10 +22,12 @@ B=2 as SanaPipeline runs CFG; its configs name the blocks for regional compile).
 
 Method: every mode in one process, on one model, through `bitfuse.modes`.
 1. First calls, in the order eager, lossless, high, graphs, compile: the mode is
-   entered, one forward timed, its output compared with eager's, the mode undone.
-   The bitfuse modes start from first sight (verdicts reset): their first call
-   holds the gate's checks, Triton's JIT of the kernels not yet compiled in this
-   process (so lossless carries most of it), and for graphs warm-up and capture;
+   entered, two forwards timed (first and second call), their outputs compared
+   with eager's, the mode undone. The bitfuse modes start from first sight
+   (verdicts reset): their first call holds Triton's JIT of the kernels not yet
+   compiled in this process, in the background (so lossless carries most of it;
+   high compiles its own kernels in place), their second the gate's checks of
+   those, and for graphs the first holds warm-up and capture;
    compile's holds Dynamo and Inductor with this machine's caches (--cold-start
    measures cold and warm caches in fresh processes).
 2. --rounds interleaved rounds: a round visits every mode, in an order rotated each
