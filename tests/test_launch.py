@@ -212,13 +212,21 @@ class SlowKernel(FakeKernel):
         return FutureKernel(mode.executor.submit(self._compile))
 
 
-def test_a_deferred_launch_compiles_in_the_background_and_launches_nothing(monkeypatch):
+def _slow_launcher(monkeypatch, broken=False):
+    """A FastLaunch of a SlowKernel, with fake CUDA and a fake async-compile module."""
     FakeCuda(monkeypatch)
     fake_async = FakeAsync()
     monkeypatch.setattr(launch_core, "_ASYNC", fake_async)
-    kernel = SlowKernel(fake_async)
-    launcher = launch_core.FastLaunch(kernel, ("BLOCK",))
-    args = ((1, 1, 1), (FakeTensor(4096),), (5,), (128,), 4)
+    kernel = SlowKernel(fake_async, broken)
+    return kernel, launch_core.FastLaunch(kernel, ("BLOCK",))
+
+
+ARGS = ((1, 1, 1), (FakeTensor(4096),), (5,), (128,), 4)
+
+
+def test_a_deferred_launch_compiles_in_the_background_and_launches_nothing(monkeypatch):
+    kernel, launcher = _slow_launcher(monkeypatch)
+    args = ARGS
     with launch_core.deferring() as deferred:
         launcher(*args)
         launcher(*args)  # still compiling: skipped again, not submitted twice
@@ -234,12 +242,8 @@ def test_a_deferred_launch_compiles_in_the_background_and_launches_nothing(monke
 
 
 def test_outside_deferring_a_launch_compiles_in_place(monkeypatch):
-    FakeCuda(monkeypatch)
-    fake_async = FakeAsync()
-    monkeypatch.setattr(launch_core, "_ASYNC", fake_async)
-    kernel = SlowKernel(fake_async)
-    launcher = launch_core.FastLaunch(kernel, ("BLOCK",))
-    launcher((1, 1, 1), (FakeTensor(4096),), (5,), (128,), 4)
+    kernel, launcher = _slow_launcher(monkeypatch)
+    launcher(*ARGS)
     assert len(kernel.calls) == 1 and kernel.compiles == 0  # (warmup never called)
     monkeypatch.setattr(launch_core, "_ASYNC", None)  # a Triton without async compiles
     with launch_core.deferring() as deferred:
@@ -250,13 +254,9 @@ def test_outside_deferring_a_launch_compiles_in_place(monkeypatch):
 def test_a_background_compile_error_raises_at_the_next_launch(monkeypatch):
     import pytest
 
-    FakeCuda(monkeypatch)
-    fake_async = FakeAsync()
-    monkeypatch.setattr(launch_core, "_ASYNC", fake_async)
-    kernel = SlowKernel(fake_async, broken=True)
+    kernel, launcher = _slow_launcher(monkeypatch, broken=True)
     kernel.go.set()
-    launcher = launch_core.FastLaunch(kernel, ("BLOCK",))
-    args = ((1, 1, 1), (FakeTensor(4096),), (5,), (128,), 4)
+    args = ARGS
     with launch_core.deferring():
         launcher(*args)
     launch_core.settle()

@@ -45,7 +45,6 @@ __all__ = [
     "AlreadyAcceleratedError",
     "CopiedSources",
     "ForwardSwap",
-    "BackgroundCompiles",
     "ClassSwap",
     "Handle",
     "accelerate",
@@ -167,24 +166,28 @@ def _slots(module):
 
 
 class ForwardSwap:
-    """`ours` in place of the stock forward `stock` on one module instance; `undo()` puts it back.
+    """`ours` in place of the forward `stock` on one module instance; `undo()` puts
+    back what was there.
 
     Without hooks, `ours` (bound) shadows the class forward in the instance's
     `__dict__`. When something already wraps the instance's forward, `ours` replaces
-    the stock forward where the wrapper keeps it, so the wrapper keeps running around
-    ours; a wrapper bitfuse does not recognise raises UnsupportedModelError."""
+    `stock` (bound: the class's forward, or an earlier swap's) where the wrapper keeps
+    it, so the wrapper keeps running around ours; a wrapper bitfuse does not
+    recognise raises UnsupportedModelError."""
 
-    __slots__ = ("module", "stock", "ours")
+    __slots__ = ("module", "stock", "ours", "previous")
 
     def __init__(self, module: torch.nn.Module, stock: Callable, ours: Callable):
         self.module = module
         self.stock = stock
         self.ours = types.MethodType(ours, module)
         if "forward" not in module.__dict__:
+            self.previous = _UNSET
             module.__dict__["forward"] = self.ours
             return
         for holder, key in _slots(module):
             if _is_bound(holder.get(key), stock, module):
+                self.previous = holder[key]
                 holder[key] = self.ours
                 return
         raise UnsupportedModelError(
@@ -196,10 +199,30 @@ class ForwardSwap:
         module = self.module
         for holder, key in _slots(module):
             if holder.get(key) is self.ours:
-                if holder is module.__dict__ and key == "forward":
+                if self.previous is not _UNSET:
+                    holder[key] = self.previous
+                elif holder is module.__dict__ and key == "forward":
                     del holder[key]  # the class forward shows through again
                 else:
                     holder[key] = types.MethodType(self.stock, module)
+
+
+_UNSET = object()
+
+
+def scoped_forward(func: Callable) -> Callable:
+    """`func` (a forward) run inside `policy.background_compiles()`, so a model's
+    first call compiles its kernels in parallel while eager computes it; as is
+    under torch.compile tracing."""
+
+    @functools.wraps(func)
+    def forward(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return func(self, *args, **kwargs)
+        with policy.background_compiles():
+            return func(self, *args, **kwargs)
+
+    return forward
 
 
 class ClassSwap:
@@ -217,47 +240,6 @@ class ClassSwap:
     def undo(self) -> None:
         if type(self.obj) is self.ours:
             self.obj.__class__ = self.stock
-
-
-class BackgroundCompiles:
-    """The model's innermost forward `func` (bound; the class's or an integration's
-    copy) run inside `policy.background_compiles()`, so a first call compiles its
-    kernels in parallel while eager computes it. Like ForwardSwap, it goes where that
-    forward is held (the instance, or inside a hook's wrapper, which keeps running
-    around it); where no slot holds it (a wrapper bitfuse does not recognise),
-    nothing is installed and kernels compile in place. `undo()` puts it back."""
-
-    __slots__ = ("module", "holder", "key", "inner", "ours")
-
-    def __init__(self, module: torch.nn.Module, func: Callable):
-        self.module, self.holder, self.key, self.inner = module, None, None, None
-        if "forward" not in module.__dict__:
-            slot = (module.__dict__, "forward", types.MethodType(func, module))
-        else:
-            slot = next(((h, k, h[k]) for h, k in _slots(module) if _is_bound(h.get(k), func, module)), None)
-        if slot is None:
-            return
-        self.holder, self.key, self.inner = slot
-        inner = self.inner
-
-        @functools.wraps(inner)
-        def forward(*args, **kwargs):
-            if torch.compiler.is_compiling():
-                return inner(*args, **kwargs)
-            with policy.background_compiles():
-                return inner(*args, **kwargs)
-
-        self.ours = forward
-        self.holder[self.key] = forward
-
-    def undo(self) -> None:
-        holder, module = self.holder, self.module
-        if holder is not None and holder.get(self.key) is self.ours:
-            if holder is module.__dict__ and self.key == "forward" and _is_bound(self.inner, type(module).forward, module):
-                del holder[self.key]  # the class forward shows through again
-            else:
-                holder[self.key] = self.inner
-        self.holder = None
 
 
 # ---------------------------------------------------------------- the handle
@@ -433,9 +415,14 @@ def accelerate(
             for name, module, norms in marks:
                 _sites.mark_site(module, name, norms=norms)
                 handle._marked.append(module)
+            # the model's innermost forward (ours or the class's) inside the first-call compile
+            # scope; behind a wrapper bitfuse does not recognise, kernels compile in place
             root = _replaced_class(model, forwards)
             inner = forwards[root] if root is not None else type(model).forward
-            handle._installs.append(BackgroundCompiles(model, inner))
+            try:
+                handle._installs.append(ForwardSwap(model, inner, scoped_forward(inner)))
+            except UnsupportedModelError:
+                pass
             handle.active = True
             model.__dict__["_bitfuse_handle"] = handle
             _sites.mount(model, quality)
