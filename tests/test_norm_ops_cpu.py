@@ -439,3 +439,18 @@ def test_one_pass_kernels_rescale_rows_whose_squares_overflow(kind):
     out = _launch(kind, x, c, h, False)
     n64 = layer_norm64(x, EPS) if kind == "ln" else rms_norm64(x, EPS)
     torch.testing.assert_close(out.double(), modulated64(n64, c, h), rtol=1e-5, atol=1e-5)
+
+
+@interpreter
+def test_layer_norm_high_mean_holds_a_large_offset():
+    """Rows far from zero (x = 4096 + randn, fp32): the high kernel's mean, an fp32 pair
+    summed with TwoSum, keeps x - mean accurate to about 2**-24 of the centred values,
+    where a plain fp32 mean is off by about 2**-24 of the row's sum of |x| (1.8e-4 here)."""
+    from bitfuse.ops._norm import layer_norm64, modulated64
+
+    g = torch.Generator().manual_seed(3)
+    x = 4096.0 + torch.randn(2, 5, 1000, generator=g)
+    c, h = torch.zeros(1000), torch.zeros(1000)  # the normalised values are the whole output
+    out = _launch("ln", x, c, h, False)
+    err = (out.double() - modulated64(layer_norm64(x, EPS), c, h)).abs().max().item()
+    assert err < 1e-5, err
