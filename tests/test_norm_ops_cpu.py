@@ -443,9 +443,10 @@ def test_one_pass_kernels_rescale_rows_whose_squares_overflow(kind):
 
 @interpreter
 def test_layer_norm_high_mean_holds_a_large_offset():
-    """Rows far from zero (x = 4096 + randn, fp32): the high kernel's mean, an fp32 pair
-    summed with TwoSum, keeps x - mean accurate to about 2**-24 of the centred values,
-    where a plain fp32 mean is off by about 2**-24 of the row's sum of |x| (1.8e-4 here)."""
+    """Rows far from zero (x = 4096 + randn, fp32): the high kernel's mean, summed in
+    float64 and split into two fp32 terms, keeps x - mean accurate to about 2**-24 of
+    the centred values, where a plain fp32 mean is off by about 2**-24 of the row's
+    sum of |x| (1.8e-4 here)."""
     from bitfuse.ops._norm import layer_norm64, modulated64
 
     g = torch.Generator().manual_seed(3)

@@ -42,9 +42,8 @@ without the divisions, count shuffles and tests (a quarter of the kernel's
 instructions; timings in bench/results/ops-*.json).
 Both kernels write their output with streaming stores, as rms_norm_modulate's do.
 
-HIGH TIER (bf16/fp16): one pass, x read once, the mean as an fp32 pair (the row
-summed with TwoSum, accurate as a float64 sum) and x - mean from it, then the
-variance in fp32, from registers (two passes over the registers, no
+HIGH TIER (bf16/fp16): one pass, x read once, the mean and x - mean in float64
+then the variance in fp32, from registers (two passes over the registers, no
 Welford), then n * (1 + scale) +
 shift in fp32, rounded once: within 0.5 ULP of the float64 value at the scale
 of the modulate's terms (see rms_norm_modulate).
@@ -331,25 +330,13 @@ def _layer_norm_modulate_exact_kernel(
 
 
 @jit
-def _two_sum(a_hi, a_lo, b_hi, b_lo):
-    """Combine two (hi, lo) fp32 sums: hi the rounded sum of the his, lo the los plus
-    hi's exact rounding error (Knuth's TwoSum: adds only, no order between a and b)."""
-    s = a_hi + b_hi
-    bb = s - a_hi
-    return s, (a_lo + b_lo) + ((a_hi - (s - bb)) + (b_hi - bb))
-
-
-@jit
 def centred(x, m, D):
     """x - mean(x) per row of the fp32 tile x [R, BLOCK] (masked columns 0), and the
-    rows' sums of its squares. The mean is hi + lo, two fp32 values: the row's sum is
-    reduced as an fp32 pair (TwoSum at every step of the tree, errors about 2**-48 of
-    the row's sum of |x|, as a float64 sum's), hi = sum / D correctly rounded, lo from
-    the division's exact remainder (an FMA); then x - hi - lo."""
-    s_hi, s_lo = tl.reduce((x, tl.zeros_like(x)), 1, _two_sum)
-    d = D.to(tl.float32)
-    hi = tl.math.div_rn(s_hi, d)
-    lo = (tl.fma(-hi, d, s_hi) + s_lo) / d
+    rows' sums of its squares: the mean summed in float64, then x - hi - lo with
+    hi + lo the float64 mean split into two fp32 values."""
+    mean = tl.sum(x.to(tl.float64), axis=1) / D
+    hi = mean.to(tl.float32)
+    lo = (mean - hi.to(tl.float64)).to(tl.float32)
     xc = tl.where(m, (x - hi[:, None]) - lo[:, None], 0.0)
     return xc, tl.sum(xc * xc, axis=1)
 
@@ -372,9 +359,9 @@ def _layer_norm_modulate_high_kernel(
         x_ptr + ((b * x_sb + s * x_ss)[:, None] + cols[None, :]), mask=m, other=0.0,
         eviction_policy="evict_first",
     ).to(tl.float32)
-    # the mean as two fp32 terms for x - mean: a plain fp32 mean is off by about 2**-24
-    # of the row's sum of |x|, which is many ULPs of a centred value near zero where the
-    # shift is zero (fuzz seed 0 case 8607: 4.75 ULP)
+    # the mean in float64, split into two fp32 terms for x - mean: an fp32 mean is off by
+    # about 2**-24 of the row's sum of |x|, which is many ULPs of a centred value near
+    # zero where the shift is zero (fuzz seed 0 case 8607: 4.75 ULP)
     xc, ss = centred(x, m, D)
     sc = tl.full(ss.shape, 1.0, tl.float32)
     if tl.max(ss, axis=0) > 3.0e38:  # some row's squares overflowed: rescale those rows exactly
