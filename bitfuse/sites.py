@@ -416,7 +416,9 @@ def qk_norm_rope_site(norm_q, norm_k, query, key, query_freqs, key_freqs, rope_t
     query, key: [B, S_q, C] and [B, S_k, C] (lengths may differ: cross-attention), one
         dtype, last dimension contiguous (views of a fused projection are read in place).
     query_freqs, key_freqs: (cos, sin) pairs of fp32 tensors, or None for no RoPE
-        (`key_freqs` None: the query's); rope_type: "interleaved" (cos/sin [B|1, S, C])
+        (`key_freqs` None: the query's); rope_type: "interleaved" (cos/sin [B|1, S, C]),
+        "pairs" (the interleaved rotation from compact tables [B|1, S, C / 2], a
+        frequency per pair: `cos.repeat_interleave(2, -1)` is the interleaved table)
         or "split" (cos/sin [B, H, S, C / 2H]), None with no frequencies; or "wan"
         (Wan's `apply_rotary_emb` on the [B, S, H, Dh] view of x, cos/sin fp32 (or
         float64) [1, S, 1, Dh] as WanRotaryPosEmbed returns them; the result stays [B, S, C])."""
@@ -427,8 +429,8 @@ def qk_norm_rope_site(norm_q, norm_k, query, key, query_freqs, key_freqs, rope_t
         else:
             _check_freqs("key_freqs", key_freqs)
         query_freqs, key_freqs = tuple(query_freqs), tuple(key_freqs)
-        if rope_type not in _ROTARY and rope_type != "wan":
-            raise ValueError(f"unknown rope_type {rope_type!r}; choose one of {', '.join([*_ROTARY, 'wan'])}")
+        if rope_type not in _ROTARY and rope_type not in ("pairs", "wan"):
+            raise ValueError(f"unknown rope_type {rope_type!r}; choose one of {', '.join([*_ROTARY, 'pairs', 'wan'])}")
     elif key_freqs is not None:
         raise ValueError("qk_norm_rope_site: key_freqs given without query_freqs")
     else:
@@ -452,6 +454,9 @@ def qk_norm_rope_site(norm_q, norm_k, query, key, query_freqs, key_freqs, rope_t
     if rope_type == "wan":
         return (qk_norm_rope.rope_reference(query, query_freqs, "wan"),
                 qk_norm_rope.rope_reference(key, key_freqs, "wan"))
+    if rope_type == "pairs":  # the interleaved tables again, each value stored twice
+        query_freqs, key_freqs = (tuple(f.repeat_interleave(2, -1) for f in p) for p in (query_freqs, key_freqs))
+        rope_type = "interleaved"
     return rotary_site(query, key, query_freqs, key_freqs, rope_type)
 
 

@@ -338,8 +338,8 @@ def _emulated_output(args, stats, rope_form):
         r = stats[row:row + rows, 1].reshape(*x.shape[:-1], 1)
         row += rows
         y = x * r if w is None else (x * r) * w
-        if rope_type == "interleaved":
-            y = Q.rope_reference(y, f, "interleaved")
+        if rope_type in ("interleaved", "pairs"):
+            y = Q.rope_reference(y, f, rope_type)
         elif rope_type == "split":
             cos, sin = f
             b, h, t, rr = cos.shape
@@ -668,7 +668,8 @@ def test_custom_op_fake_shapes_and_no_backward():
 @pytest.mark.parametrize("variant", ["2.0", "2.3"])
 def test_ltx2_norms_and_ropes_go_through_the_site(monkeypatch, variant):
     """Every attention's q/k norms (and RoPE where it has one) reach
-    `qk_norm_rope_site` with the attention's own modules; the output is stock's."""
+    `qk_norm_rope_site` with the attention's own modules, LTX-2.0's interleaved tables
+    as their compact halves ("pairs"); the output is stock's."""
     pytest.importorskip("diffusers")
     import bitfuse
     from bitfuse.models.ltx2_configs import build_model, make_inputs, tiny_config
@@ -690,7 +691,7 @@ def test_ltx2_norms_and_ropes_go_through_the_site(monkeypatch, variant):
     attns = [m for m in model.modules() if hasattr(m, "processor")]
     assert len(calls) == len(attns)
     assert {id(c[1]) for c in calls} == {id(a.norm_q) for a in attns}
-    rope = "split" if variant == "2.3" else "interleaved"
+    rope = "split" if variant == "2.3" else "pairs"
     assert {c[0] for c in calls} == {rope, None}
     for o, r in zip(out, ref):
         assert same_bits(o, r)

@@ -68,7 +68,7 @@ from diffusers.utils import apply_lora_scale
 
 from .. import graphs, policy, sites
 from . import _install
-from .ltx2_host import RopeCache, TimestepEmbeddings
+from .ltx2_host import RopeCache, TimestepEmbeddings, paired
 
 __all__ = [
     "VERIFIED_SOURCES",
@@ -591,22 +591,24 @@ def _model_forward(
     # diffusers:     audio_coords[:, 0:1, :], device=audio_hidden_states.device
     # diffusers: )
     # bitfuse: the same calls per modality, the video coordinates built on the device (_video_coords); the
-    # bitfuse: tables of coordinates built here, from integers, are kept between calls (ltx2_host.RopeCache)
+    # bitfuse: tables of coordinates built here, from integers, are kept between calls (ltx2_host.RopeCache);
+    # bitfuse: interleaved tables carry their compact halves (ltx2_host.paired)
     def video_ropes(video_coords):
         if video_coords is None:
             video_coords = _video_coords(
                 self.rope, batch_size, num_frames, height, width, hidden_states.device, fps=fps
             )
-        return (self.rope(video_coords, device=hidden_states.device),
-                self.cross_attn_rope(video_coords[:, 0:1, :], device=hidden_states.device))
+        return (paired(self.rope, self.rope(video_coords, device=hidden_states.device)),
+                paired(self.cross_attn_rope, self.cross_attn_rope(video_coords[:, 0:1, :], device=hidden_states.device)))
 
     def audio_ropes(audio_coords):
         if audio_coords is None:
             audio_coords = self.audio_rope.prepare_audio_coords(
                 batch_size, audio_num_frames, audio_hidden_states.device
             )
-        return (self.audio_rope(audio_coords, device=audio_hidden_states.device),
-                self.cross_attn_audio_rope(audio_coords[:, 0:1, :], device=audio_hidden_states.device))
+        return (paired(self.audio_rope, self.audio_rope(audio_coords, device=audio_hidden_states.device)),
+                paired(self.cross_attn_audio_rope,
+                       self.cross_attn_audio_rope(audio_coords[:, 0:1, :], device=audio_hidden_states.device)))
 
     cache = None if policy.compiling() else _rope_cache(self)
     if video_coords is None and cache is not None:
@@ -843,8 +845,14 @@ def _model_forward(
 
 def _qk_norm_rope(attn, query, key, query_rotary_emb, key_rotary_emb):
     """diffusers' query/key norms and RoPE branch of both processors, in one site: normed,
-    then rotated per `attn.rope_type` when there are frequencies."""
+    then rotated per `attn.rope_type` when there are frequencies (interleaved tables
+    from the compact halves both carry, `ltx2_host.paired`)."""
     rope = query_rotary_emb is not None and attn.rope_type in ("interleaved", "split")
+    if rope and attn.rope_type == "interleaved":
+        k_emb = query_rotary_emb if key_rotary_emb is None else key_rotary_emb
+        q_pairs, k_pairs = getattr(query_rotary_emb, "pairs", None), getattr(k_emb, "pairs", None)
+        if q_pairs is not None and k_pairs is not None:
+            return sites.qk_norm_rope_site(attn.norm_q, attn.norm_k, query, key, q_pairs, k_pairs, "pairs")
     return sites.qk_norm_rope_site(attn.norm_q, attn.norm_k, query, key, query_rotary_emb if rope else None,
                                    key_rotary_emb if rope else None, attn.rope_type if rope else None)
 

@@ -1,4 +1,4 @@
-"""LTX-2 host-time caches: the same bits as diffusers computes, fewer small ops on the host.
+"""LTX-2 host-time caches and compact RoPE tables: the same bits as diffusers computes.
 
 At full width a forward is launched faster than the GPU runs it only if the host
 work between launches stays small; two pieces of the LTX-2 forward are pure
@@ -9,8 +9,10 @@ functions of small inputs and are shared or kept here:
   sinusoidal projection. Computed once per distinct input, within one forward.
 - `RopeCache`: the RoPE cos/sin tables of coordinates the forward builds itself
   from integers, kept between forwards while those integers hold.
+- `paired`: LTX-2.0's interleaved tables store every value twice; their compact
+  halves, made once a forward, let the q/k kernel read half the table bytes.
 
-Both rely on diffusers functions pinned by `ltx2.VERIFIED_SOURCES` (their results
+All three rely on diffusers functions pinned by `ltx2.VERIFIED_SOURCES` (their results
 depend on their arguments and settings only), and step aside (compute as diffusers
 does) while compiling, while capturing a CUDA graph, and for modules with hooks or
 instance forwards.
@@ -31,7 +33,7 @@ from diffusers.models.transformers.transformer_ltx2 import (
 
 from .. import policy
 
-__all__ = ["TimestepEmbeddings", "RopeCache"]
+__all__ = ["TimestepEmbeddings", "RopeCache", "PairedTables", "paired"]
 
 
 class TimestepEmbeddings:
@@ -149,3 +151,35 @@ def _settings_of(module) -> tuple:
 
 def _versions(value) -> tuple:
     return tuple(t._version for pair in value for t in pair)
+
+
+class PairedTables(tuple):
+    """(cos, sin) as `LTX2AudioVideoRotaryPosEmbed` returns them for rope_type
+    "interleaved" (fp32 [B, S, C]), with `pairs`: (cos[..., ::2], sin[..., ::2]) made
+    contiguous, [B, S, C / 2]. Code reading the tuple sees the stock tables; the
+    bitfuse attention hands `pairs` to `sites.qk_norm_rope_site` as rope_type "pairs"."""
+
+    pairs: tuple
+
+
+def paired(module, tables):
+    """`tables` with their compact halves (`PairedTables`) where `module` is a plain
+    `LTX2AudioVideoRotaryPosEmbed` (no hooks, no instance forward) of rope_type
+    "interleaved", outside compile; else `tables` as they are.
+
+    Why the halves hold every value: the stock forward (source pinned by
+    `ltx2.VERIFIED_SOURCES`) builds `freqs.cos().repeat_interleave(2, dim=-1)` (and the
+    sine likewise), then prepends `dim % (2 * pos dims)` columns of ones (cos) and
+    zeros (sin): an even count for an even dim, so columns 2i and 2i + 1 are copies.
+    Cost: one strided read and a half-size write a table, once a forward (or once
+    while `RopeCache` keeps the tables), and the halves' memory (100 MB for LTX-2.0's
+    video tables at B = 2, 6,144 tokens)."""
+    if policy.compiling() or not _plain_module(module, LTX2AudioVideoRotaryPosEmbed) \
+            or module.rope_type != "interleaved":
+        return tables
+    cos, sin = tables
+    if cos.dim() != 3 or cos.shape[-1] % 2 or sin.shape != cos.shape:
+        return tables
+    out = PairedTables(tables)
+    out.pairs = (cos[..., ::2].contiguous(), sin[..., ::2].contiguous())
+    return out

@@ -38,6 +38,11 @@ ROPE (`rope_type=`), eager's fp32 products and sums, each rounded:
 - "interleaved" (LTX-2.0 [B, S, C] cos/sin [B|1, S, C]; FLUX [B, S, H, D] with
   cos/sin [S, D]): pairs (x[2i], x[2i+1]), out = x * cos + x_rot * sin with
   x_rot = (-x[2i+1], x[2i]).
+- "pairs" (x [B, S, C], cos/sin [B|1, S, C/2]): "interleaved" with the tables
+  `cos.repeat_interleave(2, -1)`, `sin.repeat_interleave(2, -1)`, which is how
+  LTX-2.0's RoPE module builds them: (a*c - b*s, b*c + a*s) for the pair (a, b)
+  and its frequency (c, s), each product rounded. The same rotation from half the
+  table bytes (the tables are half of LTX-2.0's q/k kernel's reads).
 - "split" (LTX-2.3, cos/sin [B, H, S, r]): each head's halves rotate; aten's
   `addcmul_` is one FMA or not per build (`rotary.addcmul_fuses`).
 - "complex" (Qwen-Image, freqs complex64 [S, D/2]): view_as_complex(x) * freqs:
@@ -89,10 +94,10 @@ from .rotary import addcmul_fuses, rotary_reference
 from .spec import OpSpec
 
 NORMS = ("aten", "diffusers")
-ROPE_TYPES = ("interleaved", "split", "complex", "wan")
+ROPE_TYPES = ("interleaved", "pairs", "split", "complex", "wan")
 MAX_SEGMENTS = 4  # (query, key) x two sources
 
-_ROPE_CODE = {None: 0, "interleaved": 1, "split": 2, "complex": 3, "wan": 4}
+_ROPE_CODE = {None: 0, "interleaved": 1, "split": 2, "complex": 3, "wan": 4, "pairs": 5}
 
 # ---------------------------------------------------------------- kernel
 
@@ -289,7 +294,7 @@ def _segment_tile(
                     f_off = f_row[:, None] + (cols * f_sj)[None, :]
                     ca, cb = tl.split(tl.reshape(tl.load(c_ptr + f_off, mask=m, other=0.0), [RU, HALF, 2]))
                     sa, sb = tl.split(tl.reshape(tl.load(s_ptr + f_off, mask=m, other=0.0), [RU, HALF, 2]))
-                else:  # complex: a frequency per pair
+                else:  # complex (3), pairs (5): a frequency per pair
                     p = ch * HALF + tl.arange(0, HALF)
                     pm = umask[:, None] & (p < NW // 2)[None, :]
                     f_off = f_row[:, None] + (p * f_sj)[None, :]
@@ -711,6 +716,10 @@ def _freq_strides(f, x, rope_type):
         if cos.dim() != 2 or cos.shape != (S, x.shape[-1]):  # FLUX: [S, D]
             return "cos/sin must be [S, D] for x [B, S, H, D]"
         return 0, 0, cos.stride(0), cos.stride(1), 0
+    if rope_type == "pairs":  # x [B, S, C], cos/sin [B | 1, S, C / 2]
+        if x.dim() != 3 or cos.dim() != 3 or cos.shape[0] not in (1, B) or cos.shape[1:] != (S, x.shape[-1] // 2):
+            return "pairs RoPE takes x [B, S, C] and cos/sin [B or 1, S, C / 2]"
+        return (cos.stride(0) if cos.shape[0] != 1 else 0), 0, cos.stride(1), cos.stride(2), 0
     if rope_type == "wan":  # x [B, S, H * Dh], cos/sin [B | 1, S, 1, Dh] (WanRotaryPosEmbed's output)
         if x.dim() != 3 or cos.dim() != 4 or cos.shape[0] not in (1, B) or cos.shape[1] != S or cos.shape[2] != 1:
             return "Wan RoPE takes x [B, S, C] and cos/sin [B or 1, S, 1, Dh]"
@@ -955,7 +964,9 @@ def rope_reference(x, freqs, rope_type):
     """x rotated as the models rotate it: diffusers 0.42.1's `apply_interleaved_rotary_emb`
     and `apply_split_rotary_emb` (LTX-2, x [B, S, C]), `apply_rotary_emb(x, freqs,
     sequence_dim=1)` (FLUX, x [B, S, H, D], cos/sin [S, D]) and `apply_rotary_emb_qwen(x,
-    freqs, use_real=False)` (Qwen-Image, complex freqs [S, D / 2]); None: x."""
+    freqs, use_real=False)` (Qwen-Image, complex freqs [S, D / 2]); "pairs": the
+    interleaved rotation with the tables repeat-interleaved (x [B, S, C], cos/sin
+    [B|1, S, C / 2]); None: x."""
     if rope_type is None:
         return x
     if rope_type == "complex":
@@ -969,6 +980,8 @@ def rope_reference(x, freqs, rope_type):
         return (x.float() * cos + x_rotated.float() * sin).to(x.dtype)
     if rope_type == "wan":
         return wan_rope_reference(x, freqs)
+    if rope_type == "pairs":
+        return rotary_reference(x, tuple(f.repeat_interleave(2, -1) for f in freqs), "interleaved")
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"unknown rope_type {rope_type!r}; choose one of {', '.join(ROPE_TYPES)}")
     return rotary_reference(x, tuple(freqs), rope_type)
@@ -1003,8 +1016,9 @@ def qk_norm_rope_reference(queries, keys, weights, eps, freqs, rope_type, norm):
         of x's dtype (None entries: norms without weight).
     eps: the norms' epsilon (None: F.rms_norm's default).
     freqs: None (rope_type None), or per source a (query freqs, key freqs) pair: fp32
-        (cos, sin) for "interleaved" ([B|1, S, C] or, per head, [S, D]) and "split"
-        ([B, H, S, r]); complex64 [S, D / 2] for "complex".
+        (cos, sin) for "interleaved" ([B|1, S, C] or, per head, [S, D]), "pairs"
+        ([B|1, S, C / 2]) and "split" ([B, H, S, r]); complex64 [S, D / 2] for
+        "complex".
     norm: "aten" or "diffusers".
 
     Returns (query, key), [B, sum S_i, ...] in x's dtype."""
@@ -1020,7 +1034,7 @@ def qk_norm_rope_reference(queries, keys, weights, eps, freqs, rope_type, norm):
 
 # ---------------------------------------------------------------- operands for checks and benchmarks
 
-LAYOUTS = ("interleaved", "split", "cross", "flux", "qwen")
+LAYOUTS = ("interleaved", "pairs", "split", "cross", "flux", "qwen")
 
 
 def _angles(shape, case, gen):
@@ -1034,6 +1048,8 @@ def _angles(shape, case, gen):
 def _make_args(case: cases.Case) -> tuple:
     """Operands as the models pass them, for x of width C = case.D:
     interleaved  LTX-2.0 self-attention: q, k [B, S, C], per-sample cos/sin [B, S, C]
+    pairs        the same with the compact tables bitfuse's LTX-2.0 integration passes:
+                 cos/sin [B, S, C / 2], a frequency per pair
     split        LTX-2.3: heads of 128, cos/sin [B, H, S, 64] as diffusers' swapaxes view
     cross        LTX-2 audio-to-video: k of another length with its own frequencies
     flux         FLUX.1 joint attention: text (S/4 + 1 tokens) and image sources,
@@ -1051,7 +1067,7 @@ def _make_args(case: cases.Case) -> tuple:
         return cases.draw((n,), dtype, "randn", gen, dev, 0.5) + 1
 
     layout = case.layout
-    if layout in ("interleaved", "split", "cross"):
+    if layout in ("interleaved", "pairs", "split", "cross"):
         q, k = act(S), act(S // 2 + 1 if layout == "cross" else S, 1.0)
         wq, wk = weight(C), weight(C)
         if layout == "split":
@@ -1059,9 +1075,10 @@ def _make_args(case: cases.Case) -> tuple:
             fq = tuple(f.swapaxes(1, 2) for f in _angles((B, S, H, C // (2 * H)), case, gen))
             fk = fq
         else:
-            fq = _angles((B, S, C), case, gen)
+            fq = _angles((B, S, C // 2 if layout == "pairs" else C), case, gen)
             fk = _angles((B, k.shape[1], C), case, gen) if layout == "cross" else fq
-        return (q,), (k,), ((wq, wk),), 1e-6, ((fq, fk),), "interleaved" if layout != "split" else "split", "aten"
+        rope = layout if layout in ("pairs", "split") else "interleaved"
+        return (q,), (k,), ((wq, wk),), 1e-6, ((fq, fk),), rope, "aten"
     if layout not in ("flux", "qwen"):
         raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     St = S // 4 + 1

@@ -114,9 +114,10 @@ def ltx_args(B, Sq, Sk, C, dtype, rope, g, strided=False, shared=None):
     else:
         q, k = rows((B, Sq, C), dtype, g), rows((B, Sk, C), dtype, g, 0.5)
     w = (weight(C, dtype, g), weight(C, dtype, g))
-    if rope == "interleaved":
-        fq = angles(B, Sq, C, g=g)
-        fk = fq if shared or (shared is None and Sq == Sk) else angles(B, Sk, C, g=g)
+    if rope in ("interleaved", "pairs"):  # pairs: the compact tables, a frequency per pair
+        W = C // 2 if rope == "pairs" else C
+        fq = angles(B, Sq, W, g=g)
+        fk = fq if shared or (shared is None and Sq == Sk) else angles(B, Sk, W, g=g)
     elif rope == "split":  # heads of 128 (video) or 64 (audio, a2v, v2a): cos/sin [B, H, S, head / 2]
         H = C // (128 if C == 4096 else 64)
         r = C // (2 * H)
@@ -129,10 +130,12 @@ def ltx_args(B, Sq, Sk, C, dtype, rope, g, strided=False, shared=None):
 
 LTX_CASES = [  # (B, S_q, S_k, C, rope): video / audio self-attention, a2v, v2a, text cross-attention
     (2, 6144, 6144, 4096, "interleaved"),
+    (2, 6144, 6144, 4096, "pairs"),
     (1, 6144, 6144, 4096, "split"),
     (2, 126, 126, 2048, "interleaved"),
     (2, 126, 126, 2048, "split"),
     (2, 6144, 126, 2048, "interleaved"),
+    (2, 6144, 126, 2048, "pairs"),
     (2, 126, 6144, 2048, "split"),
     (2, 6144, 256, 4096, None),
 ]
@@ -146,17 +149,18 @@ def test_ltx2_shapes_bf16(B, Sq, Sk, C, rope):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("rope", ["interleaved", "split"])
+@pytest.mark.parametrize("rope", ["interleaved", "pairs", "split"])
 def test_ltx2_dtypes_odd_sizes_and_views(dtype, rope):
     g = _gen(hash((str(dtype), rope)) % 2**31)
     check(ltx_args(2, 1031, 1031, 2048, dtype, rope, g))  # prime length
     check(ltx_args(1, 127, 127, 4096, dtype, rope, g, strided=True))  # views of a fused qkv
     q, k, w, eps, f, r, n = ltx_args(2, 300, 300, 2048, dtype, rope, g)
     check(((special(q[0], g),), (special(k[0], g),), w, eps, f, r, n))  # NaN / inf rows
-    if rope == "interleaved":  # frequencies shared by the batch, and q, k with their own
-        cos, sin = angles(1, 257, 2048, g=g)
+    if rope != "split":  # frequencies shared by the batch, and q, k with their own
+        W = 1024 if rope == "pairs" else 2048
+        cos, sin = angles(1, 257, W, g=g)
         q, k, w, eps, _, r, n = ltx_args(2, 257, 257, 2048, dtype, rope, g)
-        check((q, k, w, eps, (((cos, sin), angles(2, 257, 2048, g=g)),), r, n))
+        check((q, k, w, eps, (((cos, sin), angles(2, 257, W, g=g)),), r, n))
 
 
 # ---------------------------------------------------------------- FLUX.1 and Qwen-Image
@@ -274,6 +278,8 @@ def test_ltx2_forward_equals_stock(variant):
     verdicts = [v for v in policy.verdicts() if v.op == "qk_norm_rope"]
     print(f"\n[LTX-{variant}] " + ", ".join(f"{v.signature}={v.status}" for v in verdicts))
     assert verdicts and all(v.active for v in verdicts), [(v.signature, v.detail) for v in verdicts]
+    if variant == "2.0":  # the interleaved tables reach the kernel as their compact halves
+        assert any("pairs" in v.signature for v in verdicts)
     for out in outs:
         for o, r in zip(out, ref):
             assert torch.equal(o, r), f"{int((o != r).sum())} of {r.numel()} differ"
