@@ -24,7 +24,11 @@ and for LTX-2.3's per-head output gate (`sites.head_gate_site`). A
 processor instance switches `__class__` to our copy, keeping its backend
 settings; a processor of any other class is left alone. `LTX2Attention.forward`
 is copied to cache the processor's parameter names (diffusers inspects the
-signature on every call).
+signature on every call). LTX-2.0's interleaved RoPE tables store every value
+twice: the forward hands the q/k kernel their compact halves as well
+(`ltx2_host.paired`, rope_type "pairs"), half the table bytes. diffusers' `GELU.forward`
+(the feed-forwards' activation) is copied for `sites.gelu_site`, an exact GELU(tanh)
+kernel checked against eager over every bf16/fp16 input (`ops.gelu`).
 
 Everything else is called as diffusers calls it, so attention backends, other
 processors, LoRA scaling and hooks keep working. Three differences compute the
