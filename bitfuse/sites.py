@@ -33,13 +33,11 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from . import policy
 from .ops import (
     conv_epilogue,
     gated_residual,
-    gelu,
     head_gate,
     layer_norm_modulate,
     modulate,
@@ -52,7 +50,6 @@ from .ops._params import Folded, value, value32
 _MODULATE = modulate.SPEC
 _GATED_RESIDUAL = gated_residual.SPEC
 _HEAD_GATE = head_gate.SPEC
-_GELU_TANH = gelu.SPEC
 _RMS_NORM_MODULATE = rms_norm_modulate.SPECS
 _RMS_NORM = rms_norm_modulate.RMS_NORM_SPEC
 _LAYER_NORM_MODULATE = layer_norm_modulate.SPEC
@@ -258,23 +255,6 @@ def head_gate_site(y, gate, heads: int):
     if plan.__class__ is str:
         return head_gate.head_gate_reference(y, gate)
     return policy.gated(_HEAD_GATE, "lossless", plan, args, site_key=site_key)
-
-
-def gelu_site(x, approximate: str = "none"):
-    """`F.gelu(x, approximate=approximate)`, bit-exact in every tier: "tanh" through the
-    GELU kernel where its form equals eager's on every bf16/fp16 input of this GPU
-    (`ops.gelu`), anything else as eager runs it. Returns a tensor of x's shape and dtype."""
-    if approximate != "tanh" or _plain():
-        return F.gelu(x, approximate=approximate)
-    args = (x,)
-    site_key = _call_key("gelu_tanh", _meta(x))
-    out = _bound(site_key, args)
-    if out is not None:
-        return out
-    plan = gelu.plan_gelu_tanh(x)
-    if plan.__class__ is str:
-        return F.gelu(x, approximate="tanh")
-    return policy.gated(_GELU_TANH, "lossless", plan, args, site_key=site_key)
 
 
 # ---------------------------------------------------------------- fp32-compute sites (Wan)

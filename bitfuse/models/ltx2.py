@@ -26,9 +26,7 @@ settings; a processor of any other class is left alone. `LTX2Attention.forward`
 is copied to cache the processor's parameter names (diffusers inspects the
 signature on every call). LTX-2.0's interleaved RoPE tables store every value
 twice: the forward hands the q/k kernel their compact halves as well
-(`ltx2_host.paired`, rope_type "pairs"), half the table bytes. diffusers' `GELU.forward`
-(the feed-forwards' activation) is copied for `sites.gelu_site`, an exact GELU(tanh)
-kernel checked against eager over every bf16/fp16 input (`ops.gelu`).
+(`ltx2_host.paired`, rope_type "pairs"), half the table bytes.
 
 Everything else is called as diffusers calls it, so attention backends, other
 processors, LoRA scaling and hooks keep working. Three differences compute the
@@ -53,7 +51,6 @@ import inspect
 from typing import Any
 
 import torch
-from diffusers.models.activations import GELU
 from diffusers.models.embeddings import (
     PixArtAlphaCombinedTimestepSizeEmbeddings,
     Timesteps,
@@ -113,10 +110,6 @@ VERIFIED_SOURCES = {
     # reproduced by bitfuse.ops.rotary (kernel and reference)
     "apply_interleaved_rotary_emb": "755d35ce421998d49d904de76cb02b9a04b0dd854241ee376c9b5f3d08f59262",
     "apply_split_rotary_emb": "101de9c72dfea98a381140a316fdc613a71b3bb4f3a1521ef03e75f7e7205eb8",
-    # the feed-forwards' activation (FeedForward(activation_fn="gelu-approximate")); `gelu` is what
-    # `_gelu` reproduces through sites.gelu_site
-    "GELU.forward": "538b05d6963a325cc513a44edc4b3885cd2b8aa28c81bd57d258bd17c656db42",
-    "GELU.gelu": "d203f2720ee05f3537bcbfccd4ac5ee5b2362a01445bd34f95543c9d94d98115",
 }
 
 
@@ -137,8 +130,6 @@ def stock_functions() -> dict:
         "LTX2PerturbedAttnProcessor.__call__": LTX2PerturbedAttnProcessor.__call__,
         "apply_interleaved_rotary_emb": _ltx2_module.apply_interleaved_rotary_emb,
         "apply_split_rotary_emb": _ltx2_module.apply_split_rotary_emb,
-        "GELU.forward": GELU.forward,
-        "GELU.gelu": GELU.gelu,
     }
 
 
@@ -1074,24 +1065,6 @@ def _attention_forward(
     return hidden_states
 
 
-def _gelu(module, gate: torch.Tensor) -> torch.Tensor:
-    """`module.gelu(gate)`: diffusers' `GELU.gelu` is `F.gelu(gate, approximate=module.approximate)`
-    (its other branch is for MPS under torch < 2.0), here through `sites.gelu_site`; a
-    subclass's or an instance's own `gelu`, and MPS, run as they are."""
-    if type(module).gelu is not GELU.gelu or "gelu" in module.__dict__ or gate.device.type == "mps":
-        return module.gelu(gate)
-    return sites.gelu_site(gate, module.approximate)
-
-
-def _gelu_forward(self, hidden_states) -> torch.Tensor:
-    """diffusers 0.42.1 `GELU.forward` (the feed-forwards' first linear layer and its
-    activation), the activation through `_gelu`."""
-    hidden_states = self.proj(hidden_states)
-    # diffusers: hidden_states = self.gelu(hidden_states)
-    hidden_states = _gelu(self, hidden_states)
-    return hidden_states
-
-
 #: stock processor class -> ours; a processor of any other class (a user's) is left alone
 _PROCESSORS = {LTX2AudioVideoAttnProcessor: _AttnProcessor, LTX2PerturbedAttnProcessor: _PerturbedAttnProcessor}
 
@@ -1103,7 +1076,6 @@ COPIES = {
     "LTX2Attention.forward": _attention_forward,
     "LTX2AudioVideoAttnProcessor.__call__": _AttnProcessor.__call__,
     "LTX2PerturbedAttnProcessor.__call__": _PerturbedAttnProcessor.__call__,
-    "GELU.forward": _gelu_forward,
 }
 
 SOURCES = _install.CopiedSources(
@@ -1233,7 +1205,6 @@ def accelerate(model, *, quality: str = "lossless", force: bool = False) -> LTX2
             LTX2VideoTransformer3DModel: _model_forward,
             LTX2VideoTransformerBlock: _block_forward,
             LTX2Attention: _attention_forward,
-            GELU: _gelu_forward,
         },
         processors=_PROCESSORS,
         sites=_sites,

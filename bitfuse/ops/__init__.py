@@ -12,7 +12,6 @@ the benchmarks, the fuzz run and the tests iterate over it.
 from . import (
     conv_epilogue,
     gated_residual,
-    gelu,
     head_gate,
     layer_norm_modulate,
     modulate,
@@ -37,9 +36,8 @@ SPECS: dict[str, OpSpec] = {
         *rotary.SPECS.values(),
         qk_norm_rope.SPEC,
         *conv_epilogue.SPECS.values(),
-        gelu.SPEC,
     )
 }
 
 __all__ = ["SPECS", "TIERS", "OpSpec", "modulate", "gated_residual", "head_gate", "rms_norm_modulate", "layer_norm_modulate",
-           "rotary", "qk_norm_rope", "conv_epilogue", "gelu"]
+           "rotary", "qk_norm_rope", "conv_epilogue"]
