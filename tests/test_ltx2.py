@@ -270,6 +270,32 @@ def test_rope_cache_skips_passed_coords_hooks_and_compiling(monkeypatch):
         assert handle.rope_cache.entries == {}
 
 
+def test_paired_tables_hold_every_value_and_step_aside(monkeypatch):
+    """`ltx2_host.paired`: a stock interleaved RoPE module's tables get their compact
+    halves, columns 2i of tables whose columns 2i and 2i + 1 are equal (the padding
+    included: dim % 6 != 0 here); a split module, a hooked one and compiling get the
+    tables as they are."""
+    from bitfuse.models import ltx2_host
+
+    model = _model("2.0", attention_head_dim=11)  # dim 4 x 11 = 44: 44 % 6 = 2 columns of padding
+    rope = model.rope
+    coords = make_inputs(model, batch=2, pass_coords=True)["video_coords"]
+    tables = rope(coords, device="cpu")
+    out = ltx2_host.paired(rope, tables)
+    assert isinstance(out, ltx2_host.PairedTables) and tuple(out) == tuple(tables)
+    for full, half in zip(tables, out.pairs):
+        assert half.is_contiguous() and half.shape == (*full.shape[:-1], full.shape[-1] // 2)
+        assert same_bits(half.repeat_interleave(2, -1), full)
+    hook = rope.register_forward_hook(lambda m, a, o: None)
+    assert ltx2_host.paired(rope, tables) is tables
+    hook.remove()
+    monkeypatch.setattr(policy, "compiling", lambda: True)
+    assert ltx2_host.paired(rope, tables) is tables
+    monkeypatch.undo()
+    split = _model("2.3").rope
+    assert split.rope_type == "split" and ltx2_host.paired(split, tables) is tables
+
+
 # ---------------------------------------------------------------- every site goes through bitfuse
 
 _SITE_FUNCS = ("rms_norm_modulate_site", "layer_norm_modulate_site", "modulate_site", "gated_residual_site",
