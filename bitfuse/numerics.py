@@ -98,23 +98,41 @@ def high_contract(out: torch.Tensor, eager: torch.Tensor, ref64: torch.Tensor, t
     the elements where eager's result is finite (where eager overflowed or gave NaN
     on a finite value, eager's error is unbounded). Where it rounds to NaN or an
     infinity (NaN or inf inputs, a result beyond the dtype's range), `out` must be
-    that value, bit for bit (any NaN for NaN)."""
+    that value, bit for bit (any NaN for NaN).
+
+    Checked CONTRACT_CHUNK elements at a time, so that the float64 temporaries stay
+    small beside the operands: the gate runs this at first sight inside the model's
+    forward, where whole-tensor temporaries of a [2, 6144, 4096] output would add
+    gigabytes to its peak."""
     if out.shape != eager.shape or out.dtype != eager.dtype:
         return f"output {tuple(out.shape)} {out.dtype}, eager {tuple(eager.shape)} {eager.dtype}"
-    rounded = ref64.to(out.dtype)
-    finite = torch.isfinite(rounded)
-    if not bool(finite.all()) and not same_bits(out[~finite], rounded[~finite]):
-        return "differs from the float64 value where that is NaN or infinite"
-    if not bool(finite.any()):
-        return None
-    err = ulp_errors(out[finite], ref64[finite], terms64[finite])
-    worst = float(err.max())
-    if not worst <= HIGH_MAX_ULP:  # (also catches NaN)
-        return f"{worst:.3g} ULP from the float64 value (the contract: <= {HIGH_MAX_ULP:g})"
-    eager_err = ulp_errors(eager[finite], ref64[finite], terms64[finite])
-    counted = torch.isfinite(eager_err)
-    if bool(counted.any()):
-        mean, eager_mean = float(err[counted].mean()), float(eager_err[counted].mean())
-        if mean > eager_mean:
-            return f"mean error {mean:.3g} ULP, above eager's {eager_mean:.3g}"
+    o, e, r, t = (torch.broadcast_to(v, out.shape).reshape(-1) for v in (out, eager, ref64, terms64))
+    err_sum = eager_sum = 0.0
+    counted_n = 0
+    for i in range(0, o.numel(), CONTRACT_CHUNK):
+        oc, ec, rc, tc = (v[i:i + CONTRACT_CHUNK] for v in (o, e, r, t))
+        rounded = rc.to(out.dtype)
+        finite = torch.isfinite(rounded)
+        if not bool(finite.all()):
+            if not same_bits(oc[~finite], rounded[~finite]):
+                return "differs from the float64 value where that is NaN or infinite"
+            oc, ec, rc, tc = oc[finite], ec[finite], rc[finite], tc[finite]
+            if oc.numel() == 0:
+                continue
+        err = ulp_errors(oc, rc, tc)
+        worst = float(err.max())
+        if not worst <= HIGH_MAX_ULP:  # (also catches NaN)
+            return f"{worst:.3g} ULP from the float64 value (the contract: <= {HIGH_MAX_ULP:g})"
+        eager_err = ulp_errors(ec, rc, tc)
+        counted = torch.isfinite(eager_err)
+        n = int(counted.sum())
+        if n:
+            err_sum += float(err[counted].sum())
+            eager_sum += float(eager_err[counted].sum())
+            counted_n += n
+    if counted_n and err_sum > eager_sum:  # the means, over the same count
+        return f"mean error {err_sum / counted_n:.3g} ULP, above eager's {eager_sum / counted_n:.3g}"
     return None
+
+
+CONTRACT_CHUNK = 1 << 22  # elements a step of `high_contract`: its float64 temporaries are 32 MB each

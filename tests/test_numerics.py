@@ -2,8 +2,10 @@
 
 import math
 
+import pytest
 import torch
 
+from bitfuse import numerics
 from bitfuse.numerics import (
     differing,
     exp2i,
@@ -55,7 +57,11 @@ def test_ulps_at_the_terms_scale():
     assert int(ulp_distance(a, ref64.to(torch.bfloat16)).max()) > 1  # yet many ULPs of the result itself
 
 
-def test_high_contract():
+@pytest.mark.parametrize("chunk", [1 << 22, 3, 1])
+def test_high_contract(chunk, monkeypatch):
+    """The same verdicts whether the elements are checked at once or a few at a time
+    (`CONTRACT_CHUNK`: the gate's first sight keeps its float64 temporaries small)."""
+    monkeypatch.setattr(numerics, "CONTRACT_CHUNK", chunk)
     eager = torch.tensor([1.0, 2.0, math.nan, math.inf], dtype=torch.bfloat16)
     ref64 = torch.tensor([1.0, 2.0, math.nan, math.inf], dtype=torch.float64)
     terms = ref64.abs()
@@ -73,3 +79,16 @@ def test_high_contract():
     far = eager.clone()
     far[1] = 2.0625  # four ULPs of 2.0
     assert "ULP from the float64 value" in high_contract(far, eager, ref64, terms)
+
+
+def test_high_contract_mean_over_chunks(monkeypatch):
+    """The mean-error comparison is over every counted element, not per chunk: an
+    output better than eager's in one chunk and worse in another is judged on both."""
+    up = 1.0078125  # 1 + 2**-7, one bf16 ULP above 1
+    ref64 = torch.full((2,), 1.0 + 2**-9, dtype=torch.float64)  # a quarter ULP above 1
+    eager = torch.tensor([up, 1.0], dtype=torch.bfloat16)  # errors 0.75, 0.25 ULP
+    out = torch.tensor([1.0, up], dtype=torch.bfloat16)  # 0.25, 0.75: the same mean
+    monkeypatch.setattr(numerics, "CONTRACT_CHUNK", 1)
+    assert high_contract(out, eager, ref64, ref64.abs()) is None
+    out[0] = up  # 0.75, 0.75: above eager's mean
+    assert "mean error" in high_contract(out, eager, ref64, ref64.abs())
