@@ -416,31 +416,38 @@ def qk_norm_rope_site(norm_q, norm_k, query, key, query_freqs, key_freqs, rope_t
     query, key: [B, S_q, C] and [B, S_k, C] (lengths may differ: cross-attention), one
         dtype, last dimension contiguous (views of a fused projection are read in place).
     query_freqs, key_freqs: (cos, sin) pairs of fp32 tensors, or None for no RoPE
-        (`key_freqs` None: the query's); rope_type: "interleaved" (cos/sin [B|1, S, C]),
-        "pairs" (the interleaved rotation from compact tables [B|1, S, C / 2], a
-        frequency per pair: `cos.repeat_interleave(2, -1)` is the interleaved table)
+        (`key_freqs` None: the query's); rope_type: "interleaved" (cos/sin [B|1, S, C])
         or "split" (cos/sin [B, H, S, C / 2H]), None with no frequencies; or "wan"
         (Wan's `apply_rotary_emb` on the [B, S, H, Dh] view of x, cos/sin fp32 (or
-        float64) [1, S, 1, Dh] as WanRotaryPosEmbed returns them; the result stays [B, S, C])."""
+        float64) [1, S, 1, Dh] as WanRotaryPosEmbed returns them; the result stays [B, S, C]).
+        Interleaved tables whose columns 2i and 2i + 1 are equal may carry their
+        halves as an attribute, `freqs.pairs = (cos[..., ::2], sin[..., ::2])`
+        contiguous (LTX-2.0's, `models.ltx2_host.paired`): where query's and key's
+        both do, the kernel reads those (half the bytes; the op's rope_type "pairs")
+        and any fallback the full tables."""
     if query_freqs is not None:
         _check_freqs("query_freqs", query_freqs)
         if key_freqs is None:
             key_freqs = query_freqs
         else:
             _check_freqs("key_freqs", key_freqs)
+        halves = _halves(query_freqs, key_freqs) if rope_type == "interleaved" else None
         query_freqs, key_freqs = tuple(query_freqs), tuple(key_freqs)
-        if rope_type not in _ROTARY and rope_type not in ("pairs", "wan"):
-            raise ValueError(f"unknown rope_type {rope_type!r}; choose one of {', '.join([*_ROTARY, 'pairs', 'wan'])}")
+        if rope_type not in _ROTARY and rope_type != "wan":
+            raise ValueError(f"unknown rope_type {rope_type!r}; choose one of {', '.join([*_ROTARY, 'wan'])}")
     elif key_freqs is not None:
         raise ValueError("qk_norm_rope_site: key_freqs given without query_freqs")
     else:
-        rope_type = None
+        rope_type, halves = None, None
     if not _plain():
         norms = _qk_norms(((norm_q, norm_k),), query.shape[-1])
         if norms is not None:
             kind, eps, weights = norms
-            args = ((query,), (key,), weights, eps, None if rope_type is None else ((query_freqs, key_freqs),),
-                    rope_type, kind)
+            if halves is not None:
+                args = ((query,), (key,), weights, eps, (halves,), "pairs", kind)
+            else:
+                args = ((query,), (key,), weights, eps, None if rope_type is None else ((query_freqs, key_freqs),),
+                        rope_type, kind)
             site_key = _call_key("qk_norm_rope", _metas(args))
             out = _bound(site_key, args)
             if out is not None:
@@ -454,10 +461,13 @@ def qk_norm_rope_site(norm_q, norm_k, query, key, query_freqs, key_freqs, rope_t
     if rope_type == "wan":
         return (qk_norm_rope.rope_reference(query, query_freqs, "wan"),
                 qk_norm_rope.rope_reference(key, key_freqs, "wan"))
-    if rope_type == "pairs":  # the interleaved tables again, each value stored twice
-        query_freqs, key_freqs = (tuple(f.repeat_interleave(2, -1) for f in p) for p in (query_freqs, key_freqs))
-        rope_type = "interleaved"
     return rotary_site(query, key, query_freqs, key_freqs, rope_type)
+
+
+def _halves(query_freqs, key_freqs):
+    """The compact halves both interleaved tables carry (`pairs`), or None."""
+    q, k = getattr(query_freqs, "pairs", None), getattr(key_freqs, "pairs", None)
+    return None if q is None or k is None else (q, k)
 
 
 def joint_qk_norm_rope_site(sources, freqs, rope_type):

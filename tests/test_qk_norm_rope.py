@@ -668,8 +668,9 @@ def test_custom_op_fake_shapes_and_no_backward():
 @pytest.mark.parametrize("variant", ["2.0", "2.3"])
 def test_ltx2_norms_and_ropes_go_through_the_site(monkeypatch, variant):
     """Every attention's q/k norms (and RoPE where it has one) reach
-    `qk_norm_rope_site` with the attention's own modules, LTX-2.0's interleaved tables
-    as their compact halves ("pairs"); the output is stock's."""
+    `qk_norm_rope_site` with the attention's own modules; LTX-2.0's interleaved tables
+    reach the planner as their compact halves ("pairs"), its fallback as the full
+    tables; the output is stock's."""
     pytest.importorskip("diffusers")
     import bitfuse
     from bitfuse.models.ltx2_configs import build_model, make_inputs, tiny_config
@@ -678,20 +679,26 @@ def test_ltx2_norms_and_ropes_go_through_the_site(monkeypatch, variant):
     kw = make_inputs(model, batch=2)
     with torch.no_grad():
         ref = model(**kw)
-    calls = []
-    real = sites.qk_norm_rope_site
+    calls, planned = [], []
+    real, real_plan = sites.qk_norm_rope_site, Q.plan_qk_norm_rope
 
     def counting(nq, nk, q, k, qf, kf, rope_type):
         calls.append((rope_type, nq, nk))
         return real(nq, nk, q, k, qf, kf, rope_type)
 
+    def planning(*args, **kwargs):
+        planned.append(args[5])
+        return real_plan(*args, **kwargs)
+
     monkeypatch.setattr(sites, "qk_norm_rope_site", counting)
+    monkeypatch.setattr(Q, "plan_qk_norm_rope", planning)
     with bitfuse.accelerate(model), torch.no_grad():
         out = model(**kw)
     attns = [m for m in model.modules() if hasattr(m, "processor")]
     assert len(calls) == len(attns)
     assert {id(c[1]) for c in calls} == {id(a.norm_q) for a in attns}
-    rope = "split" if variant == "2.3" else "pairs"
+    rope = "split" if variant == "2.3" else "interleaved"
     assert {c[0] for c in calls} == {rope, None}
+    assert set(planned) == {"split" if variant == "2.3" else "pairs", None}
     for o, r in zip(out, ref):
         assert same_bits(o, r)

@@ -848,13 +848,8 @@ def _model_forward(
 def _qk_norm_rope(attn, query, key, query_rotary_emb, key_rotary_emb):
     """diffusers' query/key norms and RoPE branch of both processors, in one site: normed,
     then rotated per `attn.rope_type` when there are frequencies (interleaved tables
-    from the compact halves both carry, `ltx2_host.paired`)."""
+    carry their compact halves, `ltx2_host.paired`, which the site's kernel reads)."""
     rope = query_rotary_emb is not None and attn.rope_type in ("interleaved", "split")
-    if rope and attn.rope_type == "interleaved":
-        k_emb = query_rotary_emb if key_rotary_emb is None else key_rotary_emb
-        q_pairs, k_pairs = getattr(query_rotary_emb, "pairs", None), getattr(k_emb, "pairs", None)
-        if q_pairs is not None and k_pairs is not None:
-            return sites.qk_norm_rope_site(attn.norm_q, attn.norm_k, query, key, q_pairs, k_pairs, "pairs")
     return sites.qk_norm_rope_site(attn.norm_q, attn.norm_k, query, key, query_rotary_emb if rope else None,
                                    key_rotary_emb if rope else None, attn.rope_type if rope else None)
 

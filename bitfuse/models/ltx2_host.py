@@ -156,8 +156,8 @@ def _versions(value) -> tuple:
 class PairedTables(tuple):
     """(cos, sin) as `LTX2AudioVideoRotaryPosEmbed` returns them for rope_type
     "interleaved" (fp32 [B, S, C]), with `pairs`: (cos[..., ::2], sin[..., ::2]) made
-    contiguous, [B, S, C / 2]. Code reading the tuple sees the stock tables; the
-    bitfuse attention hands `pairs` to `sites.qk_norm_rope_site` as rope_type "pairs"."""
+    contiguous, [B, S, C / 2]. Code reading the tuple sees the stock tables;
+    `sites.qk_norm_rope_site` reads `pairs` in its kernel (the op's rope_type "pairs")."""
 
     pairs: tuple
 
