@@ -226,18 +226,17 @@ ARGS = ((1, 1, 1), (FakeTensor(4096),), (5,), (128,), 4)
 
 def test_a_deferred_launch_compiles_in_the_background_and_launches_nothing(monkeypatch):
     kernel, launcher = _slow_launcher(monkeypatch)
-    args = ARGS
     with launch_core.deferring() as deferred:
-        launcher(*args)
-        launcher(*args)  # still compiling: skipped again, not submitted twice
+        launcher(*ARGS)
+        launcher(*ARGS)  # still compiling: skipped again, not submitted twice
     assert deferred.pending == 2 and kernel.calls == [] and launch_core.compiles_pending() == 1
     kernel.go.set()
     launch_core.settle()
     assert launch_core.compiles_pending() == 0 and kernel.compiles == 1
     with launch_core.deferring() as deferred:
-        launcher(*args)  # compiled: launched, through Triton's path this once
+        launcher(*ARGS)  # compiled: launched, through Triton's path this once
     assert deferred.pending == 0 and len(kernel.calls) == 1
-    launcher(*args)  # outside deferring too
+    launcher(*ARGS)  # outside deferring too
     assert len(kernel.calls) == 2
 
 
@@ -256,12 +255,11 @@ def test_a_background_compile_error_raises_at_the_next_launch(monkeypatch):
 
     kernel, launcher = _slow_launcher(monkeypatch, broken=True)
     kernel.go.set()
-    args = ARGS
     with launch_core.deferring():
-        launcher(*args)
+        launcher(*ARGS)
     launch_core.settle()
     with pytest.raises(RuntimeError, match="ptxas says no"):
-        launcher(*args)
+        launcher(*ARGS)
     assert kernel.calls == []
 
 

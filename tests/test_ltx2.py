@@ -273,8 +273,8 @@ def test_rope_cache_skips_passed_coords_hooks_and_compiling(monkeypatch):
 def test_paired_tables_hold_every_value_and_step_aside(monkeypatch):
     """`ltx2_host.paired`: a stock interleaved RoPE module's tables get their compact
     halves, columns 2i of tables whose columns 2i and 2i + 1 are equal (the padding
-    included: dim % 6 != 0 here); a split module, a hooked one and compiling get the
-    tables as they are."""
+    included: dim % 6 != 0 here); a split module, a hooked one, compiling and
+    BITFUSE_DISABLE get the tables as they are."""
     from bitfuse.models import ltx2_host
 
     model = _model("2.0", attention_head_dim=11)  # dim 4 x 11 = 44: 44 % 6 = 2 columns of padding
@@ -290,6 +290,9 @@ def test_paired_tables_hold_every_value_and_step_aside(monkeypatch):
     assert ltx2_host.paired(rope, tables) is tables
     hook.remove()
     monkeypatch.setattr(policy, "compiling", lambda: True)
+    assert ltx2_host.paired(rope, tables) is tables
+    monkeypatch.undo()
+    monkeypatch.setattr(policy, "DISABLED", True)  # BITFUSE_DISABLE: the sites run plain, nothing reads halves
     assert ltx2_host.paired(rope, tables) is tables
     monkeypatch.undo()
     split = _model("2.3").rope

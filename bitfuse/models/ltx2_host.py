@@ -165,7 +165,8 @@ class PairedTables(tuple):
 def paired(module, tables):
     """`tables` with their compact halves (`PairedTables`) where `module` is a plain
     `LTX2AudioVideoRotaryPosEmbed` (no hooks, no instance forward) of rope_type
-    "interleaved", outside compile; else `tables` as they are.
+    "interleaved", outside compile and with the sites enabled (not BITFUSE_DISABLE);
+    else `tables` as they are.
 
     Why the halves hold every value: the stock forward (source pinned by
     `ltx2.VERIFIED_SOURCES`) builds `freqs.cos().repeat_interleave(2, dim=-1)` (and the
@@ -174,7 +175,7 @@ def paired(module, tables):
     Cost: one strided read and a half-size write a table, once a forward (or once
     while `RopeCache` keeps the tables), and the halves' memory (LTX-2.0 at B = 2,
     6,144 video tokens: 0.28 GiB more peak memory, measured)."""
-    if policy.compiling() or not _plain_module(module, LTX2AudioVideoRotaryPosEmbed) \
+    if policy.DISABLED or policy.compiling() or not _plain_module(module, LTX2AudioVideoRotaryPosEmbed) \
             or module.rope_type != "interleaved":
         return tables
     cos, sin = tables
