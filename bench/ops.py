@@ -49,7 +49,7 @@ from bench.timing import (
     sets_for,
 )
 from bitfuse import numerics, policy
-from bitfuse.ops import SPECS, cases
+from bitfuse.ops import SPECS, cases, conv_epilogue
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 MAIN_SHAPE = (1, 6144, 4096)
@@ -357,6 +357,7 @@ def main(argv=None) -> int:
             print(f"budget of {args.budget:.0f} s spent: {len(todo) - i} cases not run", file=sys.stderr)
             break
         rows += run_case(spec, layout, shape, ceiling)
+        result["silu_forms"] = conv_epilogue.silu_forms()  # the SiLU the conv epilogues run (SILU_FORMS)
         torch.cuda.empty_cache()  # the case's operands and graphs are gone with it
         with open(stem + ".json", "w") as f:  # after every case: a run cut short keeps what it measured
             json.dump(result, f, indent=1)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from bitfuse import policy, sites
 from bitfuse.numerics import same_bits
 from bitfuse.ops import SPECS, cases
+from bitfuse.ops import _launch
 from bitfuse.ops import _params as params_module
 from bitfuse.ops import conv_epilogue as E
 from bitfuse.ops._launch import HAS_TRITON
@@ -329,3 +330,77 @@ def test_glu_site_gates_the_kernel_on_cpu(monkeypatch):
     assert same_bits(out, ref) and same_bits(again, ref)
     verdicts = [v for v in policy.verdicts() if v.op == "conv_bias_glu"]
     assert len(verdicts) == 1 and "bias in conv" in verdicts[0].signature
+
+
+# ---------------------------------------------------------------- the SiLU's form, checked whole
+
+
+def test_silu_form_is_aten_s_on_the_cpu_and_for_fp32():
+    E._FORMS.clear()
+    assert E.silu_form("cpu", torch.bfloat16, False) == 0
+    assert E.silu_form("cpu", torch.float32, True) == 0
+    assert E._FORMS == {(-1, torch.bfloat16, False): 0, (-1, torch.float32, True): 0}
+    E._FORMS.clear()
+
+
+def test_every_input_is_every_16_bit_pattern():
+    for dtype in E.DOMAIN:
+        bits = E.every_input(dtype, "cpu").view(torch.int16)
+        assert bits.numel() == 65536 and torch.unique(bits).numel() == 65536
+
+
+@pytest.mark.parametrize("glu", [False, True])
+def test_silu_form_takes_the_first_form_equal_on_every_input(monkeypatch, glu):
+    """The check's logic with a stand-in device (CPU tensors) and stand-in kernels: each
+    form's output is eager's SiLU except where a test breaks one element; the first form
+    of FAST_FORMS equal on all 65,536 inputs is kept, none equal gives 0 (kept), and a
+    check that can't run now gives 0, not kept; the check runs its kernels in place,
+    even inside a deferring() block."""
+    monkeypatch.setattr(E, "device_index", lambda device: 0)
+    monkeypatch.setattr(E, "INTERPRET", False)
+    monkeypatch.setattr(E, "HAS_TRITON", True)
+    monkeypatch.setattr(E, "libdevice", object())
+    monkeypatch.setattr(E, "every_input", lambda dtype, device: torch.arange(
+        -32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype))
+    broken, allowed = set(), [True]
+    seen = []
+
+    def fake_epilogue(y, bias, glu_, out, form):
+        seen.append((tuple(y.shape), form, bias.signbit().all().item()))
+        assert _launch._defer.get() is None  # synchronous, even inside deferring()
+        assert glu_ is glu and bias.eq(0).all()
+        if glu:
+            hidden, gate = torch.chunk(y + bias.reshape(1, -1, 1, 1), 2, dim=1)
+            out.copy_(hidden * F.silu(gate))
+        else:
+            out.copy_(F.silu(y + bias.reshape(1, -1, 1, 1)))
+        if form in broken:
+            out.view(-1)[12345] = 0.5
+        return out
+
+    monkeypatch.setattr(E, "_epilogue", fake_epilogue)
+    monkeypatch.setattr(E, "probe_allowed", lambda index: allowed[0])
+    dtype = torch.bfloat16
+    key = (0, dtype, glu)
+    try:
+        E._FORMS.clear()
+        assert E.silu_form("cuda", dtype, glu) == E.FAST_FORMS[0]
+        assert E._FORMS[key] == E.FAST_FORMS[0]
+        E._FORMS.clear()
+        with _launch.deferring():
+            assert E.silu_form("cuda", dtype, glu) == E.FAST_FORMS[0]
+        assert seen[0] == ((1, 2 if glu else 1, 256, 256), E.FAST_FORMS[0], True)  # bias -0.0
+        E._FORMS.clear()
+        broken.add(E.FAST_FORMS[0])
+        assert E.silu_form("cuda", dtype, glu) == E.FAST_FORMS[1]
+        E._FORMS.clear()
+        broken.update(E.FAST_FORMS)
+        assert E.silu_form("cuda", dtype, glu) == 0 and E._FORMS[key] == 0
+        E._FORMS.clear()
+        broken.clear()
+        allowed[0] = False
+        assert E.silu_form("cuda", dtype, glu) == 0 and key not in E._FORMS
+        allowed[0] = True
+        assert E.silu_form("cuda", dtype, glu) == E.FAST_FORMS[0]
+    finally:
+        E._FORMS.clear()

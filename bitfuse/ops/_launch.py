@@ -48,6 +48,21 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def device_index(device) -> int:
+    """A CUDA device's index (the current one for "cuda"), or -1 for the CPU; an int
+    passes through."""
+    if device.__class__ is int:
+        return device
+    device = torch.device(device)
+    return -1 if device.type == "cpu" else (torch.cuda.current_device() if device.index is None else device.index)
+
+
+def probe_allowed(device: int) -> bool:
+    """Whether a probe of the running build (a few eager ops and launches, compared on
+    the host) may run now on `device` (an index): not while tracing or capturing."""
+    return not (torch.compiler.is_compiling() or (device >= 0 and torch.cuda.is_current_stream_capturing()))
+
+
 def needs_int64(*extents) -> bool:
     """Whether offsets may pass 2**31: extents are (size, stride) pairs of every operand."""
     return sum(abs(stride) * (size - 1) for size, stride in extents) >= 2**31 - 1
@@ -323,6 +338,17 @@ def deferring():
     token = _defer.set(state)
     try:
         yield state
+    finally:
+        _defer.reset(token)
+
+
+@contextlib.contextmanager
+def synchronous():
+    """Launches inside compile in place and run, even within a `deferring()` block
+    (a probe of the running build, whose outputs its caller reads at once)."""
+    token = _defer.set(None)
+    try:
+        yield
     finally:
         _defer.reset(token)
 

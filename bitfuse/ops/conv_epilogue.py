@@ -100,10 +100,13 @@ from ._launch import (
     GeometryCache,
     Recipe,
     cdiv,
+    device_index,
     jit,
     needs_int64,
     next_pow2,
+    probe_allowed,
     register_op,
+    synchronous,
     tl,
 )
 from ._params import common_device_dtype
@@ -127,14 +130,29 @@ LAYOUTS = ("channels-last", "contiguous")
 
 
 @jit
-def _silu(x, INTERP: tl.constexpr):
-    """aten's silu in fp32: x / (1 + expf(-x)), IEEE division."""
+def _rcp(d):
+    """rcp.approx.ftz.f32 (MUFU.RCP): 1/d within 1 ULP."""
+    return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [d], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@jit
+def _silu(x, FORM: tl.constexpr, INTERP: tl.constexpr):
+    """SiLU in fp32 in one of `SILU_FORMS` (0: aten's, bit for bit in fp32)."""
     if INTERP:
         return x / (1.0 + tl.exp(-x))
-    else:
+    elif FORM == 0:  # aten: x / (1 + expf(-x)), IEEE division
         e = libdevice.exp(-x)
         return tl.inline_asm_elementwise("div.rn.f32 $0, $1, $2;", "=r,r,r", [x, 1.0 + e], dtype=tl.float32,
                                          is_pure=True, pack=1)
+    elif FORM == 1:  # expf, then the quotient from rcp.approx and one Newton step, no branch
+        d = 1.0 + libdevice.exp(-x)
+        r = _rcp(d)
+        q = x * r
+        q1 = tl.fma(tl.fma(-q, d, x), r, q)
+        return tl.where(q1 == q1, q1, q)  # inf/inf-free ends: d = inf (x < -88) or x = inf
+    else:  # FORM == 2: ex2.approx of -x log2(e), and x * rcp.approx(d)
+        return x * _rcp(1.0 + tl.exp(-x))
 
 
 @jit
@@ -152,6 +170,7 @@ def _epilogue_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_C: tl.constexpr,
     NFB: tl.constexpr,  # blocks along the tile's fast (contiguous) axis
+    SILU: tl.constexpr,  # the SiLU's form (`SILU_FORMS`)
     INTERP: tl.constexpr,
 ):
     b = tl.program_id(2)
@@ -194,15 +213,15 @@ def _epilogue_kernel(
         if HAS_BIAS:
             bg = tl.load(bias_ptr + (b_off + gate_b), mask=c_ok, eviction_policy="evict_last").to(tl.float32)
             g = (g + bg).to(dtype).to(tl.float32)  # eager: output.add_(bias) (the gate half)
-        s = _silu(g, INTERP).to(dtype).to(tl.float32)  # eager: silu(gate)
+        s = _silu(g, SILU, INTERP).to(dtype).to(tl.float32)  # eager: silu(gate)
         out = h * s  # eager: hidden * silu(gate)
     else:
-        out = _silu(h, INTERP)  # eager: silu(output)
+        out = _silu(h, SILU, INTERP)  # eager: silu(output)
     tl.store(out_ptr + o_off, out.to(dtype), mask=mask)
 
 
 _launch = FastLaunch(_epilogue_kernel, ("HAS_BIAS", "GLU", "CL", "EVEN", "INT64", "BLOCK_P", "BLOCK_C", "NFB",
-                                        "INTERP"))
+                                        "SILU", "INTERP"))
 
 
 # ---------------------------------------------------------------- geometry
@@ -247,14 +266,14 @@ _strides_cache = GeometryCache()
 _recipes = GeometryCache()
 
 
-def _recipe(y, bias, out, glu: bool, config=None):
+def _recipe(y, bias, out, glu: bool, form: int, config=None):
     """The launch for y -> out (a Recipe), or why the kernel can't take this layout."""
     key = (y.shape, y.stride(), out.stride(), y.dtype, y.get_device(), None if bias is None else bias.stride(), glu,
-           config)
-    return _recipes.get(key, _make_recipe, y, bias, out, glu, config)
+           form, config)
+    return _recipes.get(key, _make_recipe, y, bias, out, glu, form, config)
 
 
-def _make_recipe(y, bias, out, glu, config):
+def _make_recipe(y, bias, out, glu, form, config):
     B, Ct = y.shape[0], y.shape[1]
     C = Ct // 2 if glu else Ct
     P = y.shape[2] * y.shape[3]
@@ -273,24 +292,98 @@ def _make_recipe(y, bias, out, glu, config):
     return Recipe(
         (nsb * nfb, 1, B),
         (P, C, ysb, ysc, ysp, osb, osc, osp, bs, C * ysc, C * bs),
-        (bias is not None, glu, cl, even, wide, block_p, block_c, nfb, INTERPRET),
+        (bias is not None, glu, cl, even, wide, block_p, block_c, nfb, form, INTERPRET),
         num_warps,
     )
 
 
-def _epilogue(y, bias, glu: bool, out=None, config=None):
+def _epilogue(y, bias, glu: bool, out=None, config=None, form=None):
     """The fused epilogue of y (a convolution's output) into `out` (default: eager's
-    layout), or eager's own ops where the kernel can't take the layout."""
+    layout), or eager's own ops where the kernel can't take the layout. `form`: the
+    SiLU's (default: `silu_form` of y's device, dtype and glu)."""
+    if form is None:
+        form = _FORMS.get((y.get_device(), y.dtype, glu))
+        if form is None:
+            form = silu_form(y.device, y.dtype, glu)
     if out is None:
         key = (y.shape, y.stride(), y.dtype, bias is None, glu)
         shape, stride = _strides_cache.get(key, _out_strides, y.shape, y.stride(), y.dtype, bias is not None, glu)
         out = torch.empty_strided(shape, stride, dtype=y.dtype, device=y.device)
-    recipe = _recipe(y, bias, out, glu, config)
+    recipe = _recipe(y, bias, out, glu, form, config)
     if recipe.__class__ is str:  # eager's ops (the same bits; no kernel for this layout)
         out.copy_(bias_glu_reference(y, bias) if glu else bias_silu_reference(y, bias))
         return out
     _launch.launch(recipe, (y, y if bias is None else bias, out))
     return out
+
+
+# ---------------------------------------------------------------- the SiLU's form, checked whole
+
+#: the kernel's SiLU forms: 0 is aten's in fp32 (expf, IEEE division); the others are
+#: cheaper and are used only where `silu_form` found them equal to eager on every input
+SILU_FORMS = {
+    0: "aten's: x / (1 + expf(-x)), IEEE division (div.rn.f32)",
+    1: "expf, the quotient from rcp.approx and one Newton step (no slow-path branch)",
+    2: "ex2.approx of -x log2(e), x * rcp.approx(1 + e)",
+}
+FAST_FORMS = (2, 1)  # the fastest first
+DOMAIN = (torch.bfloat16, torch.float16)  # 65,536 inputs each: checked whole
+
+_FORMS: dict = {}
+
+
+def every_input(dtype: torch.dtype, device) -> torch.Tensor:
+    """All 65,536 values of a 16-bit dtype (NaNs, infinities, signed zeros, subnormals)."""
+    return torch.arange(-32768, 32768, dtype=torch.int32, device=device).to(torch.int16).view(dtype)
+
+
+def silu_form(device, dtype: torch.dtype, glu: bool) -> int:
+    """The SiLU form (`SILU_FORMS`) the epilogue kernel runs for `dtype` on `device`.
+
+    The SiLU's input is a value of the storage dtype (eager rounds the bias add to it,
+    or the convolution wrote it) and its result is rounded to that dtype (eager's silu;
+    bias_glu's product multiplies the rounded value), so for bf16 and fp16 the SiLU
+    is a function of 65,536 inputs whose outputs can all be compared. Once per device,
+    dtype and kernel (glu or not), outside tracing and capture, each of `FAST_FORMS`
+    runs the kernel itself on every input (bias -0.0, which adds nothing, even to -0.0;
+    for glu, hidden 1.0) into a NaN-poisoned output, compared bitwise with eager's
+    `F.silu` (signed zeros count, NaN equals NaN): the first equal on all of them is
+    kept. Otherwise form 0, aten's own arithmetic: where none is equal, for fp32 and on
+    the CPU (kept), and while tracing or capturing (not kept: checked at the next call
+    outside). The check compiles its kernels in place (about a second, once per
+    process with Triton's cache cold). Form 0 and the form found give the same outputs
+    for every input, so a call may take either."""
+    index = device_index(device)
+    key = (index, dtype, glu)
+    known = _FORMS.get(key)
+    if known is not None:
+        return known
+    if dtype not in DOMAIN or index < 0 or INTERPRET or not HAS_TRITON or libdevice is None:
+        _FORMS[key] = 0
+        return 0
+    if not probe_allowed(index):
+        return 0
+    from ..numerics import same_bits
+
+    dev = f"cuda:{index}"
+    g = every_input(dtype, dev).view(1, 1, 256, 256)
+    ref = F.silu(g)
+    y = torch.cat([torch.ones_like(g), g], dim=1) if glu else g
+    bias = torch.full((y.shape[1],), -0.0, dtype=dtype, device=g.device)
+    found = 0
+    with synchronous():  # compiled in place, even at a gate's first sight in the background
+        for form in FAST_FORMS:
+            if same_bits(_epilogue(y, bias, glu, torch.full_like(ref, float("nan")), form=form), ref):
+                found = form
+                break
+    _FORMS[key] = found
+    return found
+
+
+def silu_forms() -> dict:
+    """The forms `silu_form` has settled, as {"<device> <dtype> <silu|glu>": form}."""
+    return {f"{'cpu' if index < 0 else f'cuda:{index}'} {str(dtype).replace('torch.', '')} "
+            f"{'glu' if glu else 'silu'}": form for (index, dtype, glu), form in _FORMS.items()}
 
 
 # ---------------------------------------------------------------- the epilogue ops

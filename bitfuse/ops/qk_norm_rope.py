@@ -81,9 +81,11 @@ from ._launch import (
     GeometryCache,
     Recipe,
     cdiv,
+    device_index,
     inference_only,
     jit,
     next_pow2,
+    probe_allowed,
     row_kernel,
     tl,
 )
@@ -363,17 +365,6 @@ _COMPLEX_FORM: dict = {}
 _MEAN_128: dict = {}
 
 
-def _device_index(device) -> int:
-    if device.__class__ is int:
-        return device
-    device = torch.device(device)
-    return -1 if device.type == "cpu" else (torch.cuda.current_device() if device.index is None else device.index)
-
-
-def _probe_allowed(device: int) -> bool:
-    return not (torch.compiler.is_compiling() or (device >= 0 and torch.cuda.is_current_stream_capturing()))
-
-
 def complex_mul_form(device) -> tuple[int, int] | None:
     """How eager's complex64 multiply (x * f as Qwen-Image's RoPE calls it) rounds on
     this device (a CUDA index, or -1 for the CPU): (REAL_FMA, IMAG_FMA) as `_rotate`
@@ -382,11 +373,11 @@ def complex_mul_form(device) -> tuple[int, int] | None:
     fl(w*w) drops 2**-26, so u*u - w*w is 2**-12 with both products rounded,
     2**-12 + 2**-24 with u*u inside an FMA, 2**-12 - 2**-26 with w*w inside; a third
     element (1 + 1i)(1 + 1i) must give a real part of +0.0 in all three forms."""
-    device = _device_index(device)
+    device = device_index(device)
     known = _COMPLEX_FORM.get(device, False)
     if known is not False:
         return known
-    if not _probe_allowed(device):
+    if not probe_allowed(device):
         return None
     u, w = 1 + 2**-12, 1 + 2**-13
     x = torch.tensor([[u, w], [u, w], [1.0, 1.0]], dtype=torch.float32)
@@ -415,10 +406,10 @@ def f64_store_via_f32(device) -> bool | None:
     tie 1 + 2**-8, which rounds to even (1.0); rounded once it is above the tie (1 +
     2**-7); fp16 likewise with 1 + 2**-11 + 2**-40. None where neither (or not now:
     tracing, capture)."""
-    device = _device_index(device)
+    device = device_index(device)
     if device in _VIA_F32:
         return _VIA_F32[device]
-    if not _probe_allowed(device):
+    if not probe_allowed(device):
         return None
     dev = "cpu" if device < 0 else f"cuda:{device}"
     d = torch.tensor([1 + 2**-8 + 2**-30, 1 + 2**-11 + 2**-40], dtype=torch.float64, device=dev)
@@ -456,11 +447,11 @@ def mean_order_128(device) -> tuple[bool, bool] | None:
     rows of 128 floats on this device, found by comparing its per-row means with the
     emulation of each candidate order; None where not exactly one matched (or it
     can't be probed now)."""
-    device = _device_index(device)
+    device = device_index(device)
     known = _MEAN_128.get(device, False)
     if known is not False:
         return known
-    if not _probe_allowed(device):
+    if not probe_allowed(device):
         return None
     g = torch.Generator().manual_seed(0)
     x = torch.randn(512, 128, generator=g) * torch.rand(512, 1, generator=g).mul(8).exp2()

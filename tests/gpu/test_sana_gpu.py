@@ -97,6 +97,31 @@ def test_silu_of_every_16_bit_value(dtype):
     assert same_bits(out, ref), _describe(out, ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("glu", [False, True], ids=["silu", "glu"])
+def test_silu_form_is_the_first_equal_on_every_input(dtype, glu):
+    """silu_form's choice, checked again from scratch: every form run over all 65,536
+    inputs, the chosen one equal to eager on all of them and no faster form before it."""
+    E._FORMS.clear()
+    chosen = E.silu_form("cuda", dtype, glu)
+    assert (torch.cuda.current_device(), dtype, glu) in E._FORMS
+    g = E.every_input(dtype, "cuda").view(1, 1, 256, 256)
+    ref = F.silu(g)
+    y = torch.cat([torch.randn_like(g, dtype=torch.float32).to(dtype), g], 1) if glu else g
+    bias = torch.full((y.shape[1],), -0.0, dtype=dtype, device="cuda")
+    if glu:
+        ref = y[:, :1] * ref
+    equal = {}
+    for form in E.SILU_FORMS:
+        out = E._epilogue(y, bias, glu, _poisoned(ref), form=form)
+        equal[form] = same_bits(out, ref)
+        print(f"\n{dtype} glu={glu} form {form}: {'equal' if equal[form] else _describe(out, ref)}")
+    assert equal[0], "aten's form must equal eager on every input"
+    assert equal[chosen], f"form {chosen} was chosen but differs"
+    earlier = E.FAST_FORMS[:E.FAST_FORMS.index(chosen)] if chosen in E.FAST_FORMS else E.FAST_FORMS
+    assert not any(equal[f] for f in earlier), f"a faster form equal on every input was passed over: {equal}"
+
+
 def test_silu_fp32_over_the_exponent_range():
     g = torch.Generator(device="cuda").manual_seed(0)
     n = 1 << 22
