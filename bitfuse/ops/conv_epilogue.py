@@ -131,8 +131,8 @@ LAYOUTS = ("channels-last", "contiguous")
 
 @jit
 def _rcp(d):
-    """rcp.approx.ftz.f32 (MUFU.RCP): 1/d within 1 ULP."""
-    return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [d], dtype=tl.float32, is_pure=True,
+    """rcp.approx.f32 (MUFU.RCP, subnormal results kept): 1/d within 1 ULP."""
+    return tl.inline_asm_elementwise("rcp.approx.f32 $0, $1;", "=r,r", [d], dtype=tl.float32, is_pure=True,
                                      pack=1)
 
 
@@ -149,8 +149,10 @@ def _silu(x, FORM: tl.constexpr, INTERP: tl.constexpr):
         d = 1.0 + libdevice.exp(-x)
         r = _rcp(d)
         q = x * r
-        q1 = tl.fma(tl.fma(-q, d, x), r, q)
-        return tl.where(q1 == q1, q1, q)  # inf/inf-free ends: d = inf (x < -88) or x = inf
+        res = tl.fma(-q, d, x)
+        # res NaN: d = inf (x < -88.7) or x = inf, where q is the quotient; res 0: q is
+        # exact, and q + 0 would turn a -0.0 quotient into +0.0
+        return tl.where((res == res) & (res != 0.0), tl.fma(res, r, q), q)
     else:  # FORM == 2: ex2.approx of -x log2(e), and x * rcp.approx(d)
         return x * _rcp(1.0 + tl.exp(-x))
 

@@ -332,11 +332,18 @@ def test_speed_epilogues_at_sana_shapes():
         spec = SPECS[name]
         plans = [spec.plan(*a) for a in sets]
         times = {}
-        for variant, calls in (("eager", [lambda a=a, ref=spec.reference: ref(*a) for a in sets]),
-                               ("bitfuse", [lambda p=p: E.launch_epilogue(p) for p in plans])):
+        glu = name == "bias_glu"
+        variants = [("eager", [lambda a=a, ref=spec.reference: ref(*a) for a in sets]),
+                    ("bitfuse", [lambda p=p: E.launch_epilogue(p) for p in plans])]
+        variants += [(f"form {f}", [lambda a=a, f=f: E._epilogue(*a, glu, form=f) for a in sets])
+                     for f in E.SILU_FORMS]
+        for variant, calls in variants:
             timer = GraphTimer(calls)
             times[variant] = statistics.median(timer.sample(20))
             timer.close()
-        tbps = moved / (times["bitfuse"] * 1e-6) / 1e12
-        print(f"\n{name}: eager {times['eager']:.1f} us, bitfuse {times['bitfuse']:.1f} us, {tbps:.2f} TB/s = "
-              f"{100 * tbps / ceiling:.0f}% of the copy ceiling ({ceiling:.2f} TB/s)")
+        chosen = E.silu_form("cuda", torch.bfloat16, glu)
+        for variant in times:
+            tbps = moved / (times[variant] * 1e-6) / 1e12
+            print(f"\n{name} {variant}{' (chosen)' if variant == f'form {chosen}' else ''}: "
+                  f"{times[variant]:.1f} us, {tbps:.2f} TB/s = {100 * tbps / ceiling:.0f}% of the copy ceiling "
+                  f"({ceiling:.2f} TB/s)")
