@@ -14,6 +14,7 @@ from . import (
     gated_residual,
     head_gate,
     layer_norm_modulate,
+    linear_attention,
     modulate,
     qk_norm_rope,
     rms_norm_modulate,
@@ -36,8 +37,9 @@ SPECS: dict[str, OpSpec] = {
         *rotary.SPECS.values(),
         qk_norm_rope.SPEC,
         *conv_epilogue.SPECS.values(),
+        linear_attention.SPEC,
     )
 }
 
 __all__ = ["SPECS", "TIERS", "OpSpec", "modulate", "gated_residual", "head_gate", "rms_norm_modulate", "layer_norm_modulate",
-           "rotary", "qk_norm_rope", "conv_epilogue"]
+           "rotary", "qk_norm_rope", "conv_epilogue", "linear_attention"]

@@ -33,6 +33,7 @@ from bitfuse import policy, sites
 from bitfuse.numerics import differing, max_ulp, same_bits
 from bitfuse.ops import SPECS, cases
 from bitfuse.ops import conv_epilogue as E
+from bitfuse.ops import linear_attention as LA
 
 pytestmark = pytest.mark.gpu
 
@@ -133,6 +134,39 @@ def test_silu_fp32_over_the_exponent_range():
         y = y.reshape(1, 1, 2048, 2048)
         out, ref = E.launch_epilogue(E.plan_bias_silu(y, bias)), E.bias_silu_reference(y, bias)
         assert same_bits(out, ref), _describe(out, ref)
+
+
+# ---------------------------------------------------------------- the linear attention
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("layout", LA.LAYOUTS)
+def test_linear_attention_every_data_draw(layout, dtype):
+    """Sana 1.6B's self-attention (B = 2, 1,024 tokens, 70 heads of 32) and odd sizes, on
+    every data draw, into a NaN-poisoned output and into eager's strides."""
+    spec = SPECS["linear_attention"]
+    for i, data in enumerate(cases.DATA):
+        for B, S, C in ((2, 1024, 2240), (1, 1031, 96), (3, 7, 64), (1, 1, 32)):
+            args = spec.make_args(cases.Case(B, S, C, dtype, layout, data, seed=i))
+            plan = spec.plan(*args)
+            assert plan.__class__ is not str, plan
+            ref = spec.reference(*args)
+            for _ in range(2):
+                out = spec.launch["lossless"](plan, out=_poisoned(ref))
+                assert same_bits(out, ref), f"{data} {B}x{S}x{C}: {_describe(out, ref)}"
+            out = spec.launch["lossless"](plan)
+            assert same_bits(out, ref) and out.stride() == ref.stride(), f"{data} {B}x{S}x{C}: default output"
+
+
+def test_linear_attention_signed_zeros():
+    """A key that relu zeroes entirely (-0.0 and negatives): the scores are signed zeros,
+    and so is the output; its signs are eager's."""
+    for dtype in DTYPES:
+        q = torch.randn(2, 64, 64, device="cuda").to(dtype)
+        v = torch.randn(2, 64, 64, device="cuda").to(dtype)
+        for k in (torch.full_like(q, -0.0), -q.abs(), torch.zeros_like(q)):
+            out, ref = LA.linear_attention(q, k, v, 2), LA.linear_attention_reference(q, k, v, 2)
+            assert same_bits(out, ref), f"{dtype}: {_describe(out, ref)}"
 
 
 # ---------------------------------------------------------------- the conv-level ops at Sana's shapes
