@@ -40,6 +40,7 @@ from .ops import (
     gated_residual,
     head_gate,
     layer_norm_modulate,
+    linear_attention,
     modulate,
     qk_norm_rope,
     rms_norm_modulate,
@@ -60,6 +61,7 @@ _ROTARY = rotary.SPECS
 _QK_NORM_ROPE = qk_norm_rope.SPEC
 _CONV_BIAS_SILU = conv_epilogue.SPECS["conv_bias_silu"]
 _CONV_BIAS_GLU = conv_epilogue.SPECS["conv_bias_glu"]
+_LINEAR_ATTENTION = linear_attention.SPEC
 
 # ---------------------------------------------------------------- marking and mounting
 
@@ -724,6 +726,30 @@ def conv_bias_glu_site(conv, act, x):
     return hidden * act(gate)
 
 
+# ---------------------------------------------------------------- linear attention (Sana)
+
+
+def linear_attention_site(query, key, value, heads: int, dtype: torch.dtype):
+    """Sana's linear attention from the projections (after their norms) to `to_out`'s
+    input, as `SanaLinearAttnProcessor2_0` computes it (relu feature maps, fp32, the
+    padded value's row of ones, two matmuls, the guarded division, the cast to
+    `dtype`, its `original_dtype`), bit-exact in every tier: the matmuls as eager runs
+    them, the elementwise work around them in two kernels (`ops.linear_attention`),
+    verified at first sight against the stock lines. query, key, value: [B, N, C];
+    heads dividing C. Returns [B, N, C] in `dtype` with eager's strides."""
+    if _plain() or query.dtype != dtype:
+        return linear_attention.linear_attention_reference(query, key, value, heads, dtype)
+    args = (query, key, value, heads)
+    site_key = _call_key("linear_attention", _meta(query), _meta(key), _meta(value), heads)
+    out = _bound(site_key, args)
+    if out is not None:
+        return out
+    plan = linear_attention.plan_linear_attention(*args)
+    if plan.__class__ is str:
+        return linear_attention.linear_attention_reference(*args)
+    return policy.gated(_LINEAR_ATTENTION, "lossless", plan, args, site_key=site_key)
+
+
 __all__ = [
     "Folded",
     "Site",
@@ -749,4 +775,5 @@ __all__ = [
     "norm_kind",
     "conv_bias_silu_site",
     "conv_bias_glu_site",
+    "linear_attention_site",
 ]

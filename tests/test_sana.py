@@ -24,6 +24,7 @@ import torch
 diffusers = pytest.importorskip("diffusers")
 
 import bitfuse
+from diffusers.models.attention_processor import Attention
 from bitfuse import policy, sites
 from bitfuse.models import UnsupportedVersionError, sana
 from bitfuse.models.sana_configs import (
@@ -141,7 +142,7 @@ def test_configs_and_inputs_as_the_pipeline_passes_them():
 # ---------------------------------------------------------------- every site goes through bitfuse
 
 _SITE_FUNCS = ("layer_norm_modulate_site", "gated_residual_site", "modulate_site", "rms_norm_modulate_site",
-               "conv_bias_silu_site", "conv_bias_glu_site")
+               "conv_bias_silu_site", "conv_bias_glu_site", "linear_attention_site")
 
 
 @contextlib.contextmanager
@@ -158,10 +159,11 @@ def _recording_sites(monkeypatch):
             if getattr(depth, "n", 0) == 0:
                 norm_site = name.endswith("norm_modulate_site")
                 conv_site = name.startswith("conv_")
+                attention_site = name == "linear_attention_site"
                 block = args[0] if norm_site else None
                 site = getattr(block, "_bitfuse_site", None)
                 x = args[2] if norm_site or conv_site else args[0]
-                params = args[3:5] if norm_site else ([] if conv_site else args[2:3])
+                params = args[3:5] if norm_site else ([] if conv_site or attention_site else args[2:3])
                 records.append({
                     "site": name, "tier": sites._tier(block) if site else None, "name": site.name if site else None,
                     "x": tuple(x.shape), "x_stride": x.stride(), "modules": args[:2] if conv_site else None,
@@ -183,8 +185,8 @@ def _recording_sites(monkeypatch):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_site_is_routed(monkeypatch, variant):
     """Per block: 2 norm + modulate sites (before self-attention and the FF), 2 gated
-    residuals, the two convolution epilogues of GLUMBConv (with its own modules); the head:
-    1 norm + modulate site. Nothing else."""
+    residuals, the two convolution epilogues of GLUMBConv (with its own modules), the
+    linear self-attention; the head: 1 norm + modulate site. Nothing else."""
     model = _model(variant)
     kw = _inputs(model, 2, text_lengths=[7, 5])
     ref = run(model, kw)
@@ -197,7 +199,10 @@ def test_every_site_is_routed(monkeypatch, variant):
     for r in records:
         counts[r["site"]] = counts.get(r["site"], 0) + 1
     assert counts == {"layer_norm_modulate_site": 2 * n + 1, "gated_residual_site": 2 * n,
-                      "conv_bias_silu_site": n, "conv_bias_glu_site": n}
+                      "conv_bias_silu_site": n, "conv_bias_glu_site": n, "linear_attention_site": n}
+    D = model.config.num_attention_heads * model.config.attention_head_dim
+    assert {r["x"] for r in records if r["site"] == "linear_attention_site"} == {(2, kw["hidden_states"].shape[2] *
+                                                                                  kw["hidden_states"].shape[3], D)}
     names = {r["name"] for r in records if r["site"] == "layer_norm_modulate_site"}
     assert names == {"norm_out"} | {f"transformer_blocks.{i}" for i in range(n)}
     ffs = [b.ff for b in model.transformer_blocks]
@@ -281,11 +286,12 @@ def test_accelerate_installs_the_glumbconv_copy_and_an_override_keeps_its_forwar
     check_identity(model, [kw])
 
 
-@pytest.mark.parametrize("name", ["conv_bias_silu_site", "conv_bias_glu_site", "gated_residual_site"])
+@pytest.mark.parametrize("name", ["conv_bias_silu_site", "conv_bias_glu_site", "gated_residual_site",
+                                  "linear_attention_site"])
 def test_sites_change_the_output_when_they_change(monkeypatch, name):
     """A control for the identity tests: perturb one routed site (either convolution
-    epilogue of GLUMBConv, or the gated residual) and the output, stock's bits before,
-    moves."""
+    epilogue of GLUMBConv, the gated residual, the linear attention) and the output,
+    stock's bits before, moves."""
     model = _model("1.0")
     kw = _inputs(model, 2)
     ref = run(model, kw)
@@ -295,6 +301,65 @@ def test_sites_change_the_output_when_they_change(monkeypatch, name):
         monkeypatch.setattr(sites, name, lambda *a, **k: real(*a, **k) * 1.5)
         out = run(model, kw)
     assert not same_bits(out[0], ref[0])
+
+
+# ---------------------------------------------------------------- the attention processors
+
+
+def test_the_caption_mask_is_prepared_once_a_forward(monkeypatch):
+    """Stock prepares the cross-attention mask in every block; accelerated, the blocks of
+    one forward share one preparation (the same tensor, unmodified), a new forward or a
+    mask modified in place prepares it again, and the output stays stock's."""
+    model = _model("1.0")
+    kw = _inputs(model, 2, text_lengths=[3, 7])
+    calls = []
+    real = Attention.prepare_attention_mask
+
+    def counting(self, *args, **kwargs):
+        calls.append(self)
+        return real(self, *args, **kwargs)
+
+    ref = run(model, kw)
+    handle = bitfuse.accelerate(model)  # (checks the pinned sources: before the counting stand-in)
+    monkeypatch.setattr(Attention, "prepare_attention_mask", counting)
+    monkeypatch.setattr(sana, "_STOCK_PREPARE", counting)
+    with handle:
+        assert_same(run(model, kw), ref)
+        assert len(calls) == 1
+        assert_same(run(model, kw), ref)
+        assert len(calls) == 2  # the model builds a new bias tensor from the mask every forward
+        block = model.transformer_blocks[0]
+        mask = torch.zeros(2, 1, kw["encoder_hidden_states"].shape[1])
+        first = sana._prepared_mask(block.attn2, mask, mask.shape[-1], 2)
+        assert sana._prepared_mask(block.attn2, mask, mask.shape[-1], 2) is first
+        mask.add_(1.0)  # modified in place: prepared again, with the new values
+        again = sana._prepared_mask(block.attn2, mask, mask.shape[-1], 2)
+        assert again is not first and bool((again == 1.0).all())
+    calls.clear()
+    assert_same(run(model, kw), ref)
+    assert len(calls) == len(model.transformer_blocks)  # stock: every block prepares it
+    assert not sana._masks
+
+
+def test_a_processor_override_is_left_alone():
+    """A user's processor on one block stays in place (and is called through the
+    Attention forward copy with its own signature); the others switch to bitfuse's."""
+    model = _model("1.0")
+    kw = _inputs(model, 2)
+    ref = run(model, kw)
+    from diffusers.models.attention_processor import SanaLinearAttnProcessor2_0
+
+    class Mine(SanaLinearAttnProcessor2_0):
+        def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, extra=None):
+            return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask)
+
+    model.transformer_blocks[0].attn1.set_processor(Mine())
+    with bitfuse.accelerate(model):
+        assert type(model.transformer_blocks[0].attn1.processor) is Mine
+        assert type(model.transformer_blocks[1].attn1.processor) is sana._LinearAttnProcessor
+        assert type(model.transformer_blocks[0].attn2.processor) is sana._CrossAttnProcessor
+        assert_same(run(model, kw), ref)
+    assert is_stock(model)
 
 
 # ---------------------------------------------------------------- tiers
@@ -441,3 +506,4 @@ def test_the_kernels_run_through_the_gate(monkeypatch):
         "per-sample/strided"}, [v.signature for v in verdicts]
     assert any(v.op == "layer_norm_modulate" for v in verdicts), [v.signature for v in verdicts]
     assert any(v.op == "conv_bias_glu" for v in verdicts), [v.signature for v in verdicts]
+    assert any(v.op == "linear_attention" and v.active for v in verdicts), [v.signature for v in verdicts]

@@ -273,8 +273,9 @@ class Handle:
 
     def on_restore(self, fn: Callable[[], None]) -> None:
         """Run `fn()` when the handle is restored, after the installs are undone
-        (e.g. clearing a cache the accelerated forward keeps)."""
-        self._cleanups.append(fn)
+        (e.g. clearing a cache the accelerated forward keeps); once per `fn`."""
+        if fn not in self._cleanups:
+            self._cleanups.append(fn)
 
     def graph_options(self) -> dict:
         """The GraphRunner options that graphing this model's accelerated forward

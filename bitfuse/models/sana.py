@@ -57,9 +57,15 @@ The copies are valid only for the diffusers source they were taken from:
 function (`SOURCES`), and refuses otherwise unless `force=True`.
 """
 
+import inspect
+
 import torch
+import torch.nn.functional as F
+from diffusers.models import attention_processor as _attention_module
+from diffusers.models.attention_processor import Attention, SanaLinearAttnProcessor2_0
 from diffusers.models.transformers.sana_transformer import (
     GLUMBConv,
+    SanaAttnProcessor2_0,
     SanaModulatedNorm,
     SanaTransformer2DModel,
     SanaTransformerBlock,
@@ -77,6 +83,10 @@ VERIFIED_SOURCES = {
     "SanaTransformerBlock.forward": "9a3e8db8963efea2640f6c87b42e718021238fb37c0eb128c3198fca2c150923",
     "GLUMBConv.forward": "841b583fd67676d3c6b992c4402a0a7d4c0e4245e4ae4d1766f0d029c2ef65aa",
     "SanaModulatedNorm.forward": "94f79629b4f9f9f33c9dd24ff2758a3ba2300668880b0a109f79f48c6aae7c80",
+    "Attention.forward": "e6822ac3500626c7318b56f135752693a1222976154cbcc8c2e6b5f840d82b6b",
+    "SanaLinearAttnProcessor2_0.__call__": "e75ae1143d56a89dbbf2e49e5d8ab48938680b93c146ac8a3f536b547cfb3106",
+    "SanaAttnProcessor2_0.__call__": "01f4c3d5e7e6912bacb6179aaaaa9df2afbff7993d50fa13e8433c6bc4c8793c",
+    "Attention.prepare_attention_mask": "350c128ad2f921c5252b4b075f69af1aec85c3b030f4f508fb5a73c1bc58d93a",
 }
 
 
@@ -86,6 +96,10 @@ def stock_functions() -> dict:
         "SanaTransformerBlock.forward": SanaTransformerBlock.forward,
         "GLUMBConv.forward": GLUMBConv.forward,
         "SanaModulatedNorm.forward": SanaModulatedNorm.forward,
+        "Attention.forward": Attention.forward,
+        "SanaLinearAttnProcessor2_0.__call__": SanaLinearAttnProcessor2_0.__call__,
+        "SanaAttnProcessor2_0.__call__": SanaAttnProcessor2_0.__call__,
+        "Attention.prepare_attention_mask": Attention.prepare_attention_mask,
     }
 
 
@@ -181,15 +195,210 @@ def _modulated_norm_forward(
     return hidden_states
 
 
+class _LinearAttnProcessor(SanaLinearAttnProcessor2_0):
+    """diffusers 0.42.1 `SanaLinearAttnProcessor2_0.__call__`, the work around its two
+    matmuls through bitfuse (`sites.linear_attention_site`)."""
+
+    def __call__(
+        self,
+        attn: Attention,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        original_dtype = hidden_states.dtype
+
+        if encoder_hidden_states is None:
+            encoder_hidden_states = hidden_states
+
+        query = attn.to_q(hidden_states)
+        key = attn.to_k(encoder_hidden_states)
+        value = attn.to_v(encoder_hidden_states)
+
+        if attn.norm_q is not None:
+            query = attn.norm_q(query)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key)
+
+        # diffusers: query = query.transpose(1, 2).unflatten(1, (attn.heads, -1))
+        # diffusers: key = key.transpose(1, 2).unflatten(1, (attn.heads, -1)).transpose(2, 3)
+        # diffusers: value = value.transpose(1, 2).unflatten(1, (attn.heads, -1))
+        # diffusers: query = F.relu(query)
+        # diffusers: key = F.relu(key)
+        # diffusers: query, key, value = query.float(), key.float(), value.float()
+        # diffusers: value = F.pad(value, (0, 0, 0, 1), mode="constant", value=1.0)
+        # diffusers: scores = torch.matmul(value, key)
+        # diffusers: hidden_states = torch.matmul(scores, query)
+        # diffusers: hidden_states = hidden_states[:, :, :-1] / (hidden_states[:, :, -1:] + 1e-15)
+        # diffusers: hidden_states = hidden_states.flatten(1, 2).transpose(1, 2)
+        # diffusers: hidden_states = hidden_states.to(original_dtype)
+        hidden_states = sites.linear_attention_site(query, key, value, attn.heads, original_dtype)
+
+        hidden_states = attn.to_out[0](hidden_states)
+        hidden_states = attn.to_out[1](hidden_states)
+
+        if original_dtype == torch.float16:
+            hidden_states = hidden_states.clip(-65504, 65504)
+
+        return hidden_states
+
+
+class _CrossAttnProcessor(SanaAttnProcessor2_0):
+    """diffusers 0.42.1 `SanaAttnProcessor2_0.__call__`: the caption mask prepared once
+    for all blocks (`_prepared_mask`), and no division by a `rescale_output_factor` of 1."""
+
+    def __call__(
+        self,
+        attn: Attention,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        batch_size, sequence_length, _ = (
+            hidden_states.shape if encoder_hidden_states is None else encoder_hidden_states.shape
+        )
+
+        if attention_mask is not None:
+            # diffusers: attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
+            # diffusers: # scaled_dot_product_attention expects attention_mask shape to be
+            # diffusers: # (batch, heads, source_length, target_length)
+            # diffusers: attention_mask = attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])
+            attention_mask = _prepared_mask(attn, attention_mask, sequence_length, batch_size)
+
+        query = attn.to_q(hidden_states)
+
+        if encoder_hidden_states is None:
+            encoder_hidden_states = hidden_states
+
+        key = attn.to_k(encoder_hidden_states)
+        value = attn.to_v(encoder_hidden_states)
+
+        if attn.norm_q is not None:
+            query = attn.norm_q(query)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key)
+
+        inner_dim = key.shape[-1]
+        head_dim = inner_dim // attn.heads
+
+        query = query.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+
+        key = key.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+        value = value.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+
+        # the output of sdp = (batch, num_heads, seq_len, head_dim)
+        # TODO: add support for attn.scale when we move to Torch 2.1
+        hidden_states = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False
+        )
+
+        hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
+        hidden_states = hidden_states.to(query.dtype)
+
+        # linear proj
+        hidden_states = attn.to_out[0](hidden_states)
+        # dropout
+        hidden_states = attn.to_out[1](hidden_states)
+
+        # diffusers: hidden_states = hidden_states / attn.rescale_output_factor
+        # bitfuse: x / 1.0 is x, bit for bit (NaN stays NaN): divided only by another factor (or traced as stock)
+        if attn.rescale_output_factor != 1.0 or torch.compiler.is_compiling():
+            hidden_states = hidden_states / attn.rescale_output_factor
+
+        return hidden_states
+
+
+_masks: dict = {}  # (heads, target length, batch size) -> (the mask, its version, the prepared mask)
+
+
+def _prepared_mask(attn, attention_mask, sequence_length, batch_size):
+    """`attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)` viewed
+    as [B, heads, -1, L], as every block's cross-attention prepares the model's caption
+    mask. Kept for the last mask seen: a later call with the same tensor (`is`, not
+    modified since: its version), heads, length and batch size gets the same prepared
+    tensor, so a forward's blocks prepare it once (eager: one repeat_interleave a block,
+    the same values). Not kept under tracing, or where `prepare_attention_mask` is not
+    diffusers' own."""
+    key = (attn.heads, sequence_length, batch_size)
+    cached = not torch.compiler.is_compiling() and type(attn).prepare_attention_mask is _STOCK_PREPARE and \
+        "prepare_attention_mask" not in attn.__dict__
+    if cached:
+        hit = _masks.get(key)
+        if hit is not None and hit[0] is attention_mask and hit[1] == attention_mask._version:
+            return hit[2]
+    prepared = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
+    prepared = prepared.view(batch_size, attn.heads, -1, prepared.shape[-1])
+    if cached:
+        if len(_masks) > 8:
+            _masks.clear()
+        _masks[key] = (attention_mask, attention_mask._version, prepared)
+    return prepared
+
+
+_STOCK_PREPARE = Attention.prepare_attention_mask
+_call_parameters: dict = {}  # processor class -> the parameter names of its __call__
+
+
+def _attention_forward(
+    self,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    **cross_attention_kwargs,
+) -> torch.Tensor:
+    """diffusers 0.42.1 `Attention.forward`, with the processor's parameter names cached
+    for bitfuse's processor classes: diffusers runs `inspect.signature` on every call
+    (the same names, the same filtering and warning)."""
+    # The `Attention` class can call different attention processors / attention functions
+    # here we simply pass along all tensors to the selected processor class
+    # For standard processors that are defined here, `**cross_attention_kwargs` is empty
+
+    # diffusers: attn_parameters = set(inspect.signature(self.processor.__call__).parameters.keys())
+    # bitfuse: cached for our processor classes whose __call__ is a plain method (no instance override)
+    processor = self.processor
+    cls = type(processor)
+    attn_parameters = _call_parameters.get(cls) if "__call__" not in getattr(processor, "__dict__", {}) else None
+    if attn_parameters is None:
+        attn_parameters = set(inspect.signature(processor.__call__).parameters.keys())
+        if cls in _PROCESSORS.values():
+            _call_parameters[cls] = attn_parameters
+    quiet_attn_parameters = {"ip_adapter_masks", "ip_hidden_states"}
+    unused_kwargs = [
+        k for k, _ in cross_attention_kwargs.items() if k not in attn_parameters and k not in quiet_attn_parameters
+    ]
+    if len(unused_kwargs) > 0:
+        # diffusers: logger.warning(
+        _attention_module.logger.warning(
+            f"cross_attention_kwargs {unused_kwargs} are not expected by {self.processor.__class__.__name__} and will be ignored."
+        )
+    cross_attention_kwargs = {k: w for k, w in cross_attention_kwargs.items() if k in attn_parameters}
+
+    return self.processor(
+        self,
+        hidden_states,
+        encoder_hidden_states=encoder_hidden_states,
+        attention_mask=attention_mask,
+        **cross_attention_kwargs,
+    )
+
+
+#: stock processor class -> ours; a processor of any other class (a user's) is left alone
+_PROCESSORS = {SanaLinearAttnProcessor2_0: _LinearAttnProcessor, SanaAttnProcessor2_0: _CrossAttnProcessor}
+
 #: stock class -> our copy of its forward
 FORWARDS = {
     SanaTransformerBlock: _block_forward,
     GLUMBConv: _glumbconv_forward,
     SanaModulatedNorm: _modulated_norm_forward,
+    Attention: _attention_forward,
 }
 
 #: our line-for-line copies, by the stock name they copy (tests/test_copies.py diffs them)
-COPIES = {f"{cls.__name__}.forward": fn for cls, fn in FORWARDS.items()}
+COPIES = {
+    **{f"{cls.__name__}.forward": fn for cls, fn in FORWARDS.items()},
+    "SanaLinearAttnProcessor2_0.__call__": _LinearAttnProcessor.__call__,
+    "SanaAttnProcessor2_0.__call__": _CrossAttnProcessor.__call__,
+}
 
 SOURCES = _install.CopiedSources(
     "Sana", release="0.42", copied_from="0.42.1", sha256=VERIFIED_SOURCES, stock=stock_functions,
@@ -207,11 +416,12 @@ def _sites(model) -> list:
 
 def accelerate(model, *, quality: str = "lossless", force: bool = False) -> _install.Handle:
     """Install bitfuse's faithful forwards on `model` (a `SanaTransformer2DModel`): its
-    blocks, their GLUMBConv feed-forwards and its `norm_out`; mark the blocks and the
+    blocks, their attentions (forward and processors) and GLUMBConv feed-forwards, and
+    its `norm_out`; mark the blocks and the
     head as sites and mount `quality` (all or nothing; the convolution epilogues are
     exact in every tier). Returns the handle; called again with the same quality, the
     existing one. See `_install.accelerate` for the errors."""
-    return _install.accelerate(
+    handle = _install.accelerate(
         model,
         _install.Handle,
         quality=quality,
@@ -219,5 +429,8 @@ def accelerate(model, *, quality: str = "lossless", force: bool = False) -> _ins
         sources=SOURCES,
         model_class=SanaTransformer2DModel,
         forwards=FORWARDS,
+        processors=_PROCESSORS,
         sites=_sites,
     )
+    handle.on_restore(_masks.clear)  # the prepared caption mask, and the tensors it holds
+    return handle

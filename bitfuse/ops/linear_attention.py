@@ -287,10 +287,11 @@ def linear_attention(q, k, v, heads: int) -> torch.Tensor:
 # ---------------------------------------------------------------- reference
 
 
-def linear_attention_reference(q, k, v, heads: int) -> torch.Tensor:
+def linear_attention_reference(q, k, v, heads: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The eager expression, line for line as `SanaLinearAttnProcessor2_0` writes it
-    between the projections (and their norms) and `to_out`."""
-    original_dtype = q.dtype
+    between the projections (and their norms) and `to_out`; `dtype`: the processor's
+    `original_dtype` (default q's)."""
+    original_dtype = q.dtype if dtype is None else dtype
     query = q.transpose(1, 2).unflatten(1, (heads, -1))
     key = k.transpose(1, 2).unflatten(1, (heads, -1)).transpose(2, 3)
     value = v.transpose(1, 2).unflatten(1, (heads, -1))
