@@ -49,8 +49,18 @@ wherever the layouts differ and the pointwise planners send a permuted x to eage
 with both, the full Sana 1.6B (20 layers, B=2, 1024 x 1024) is bitwise stock in every
 call (tests/gpu/test_sana_gpu.py, bench/results/sana-*.json).
 
-Attention (linear self-attention, cross-attention, SANA 1.5's query/key RMSNorm) and
-everything else run as diffusers runs them.
+Attention. `SanaLinearAttnProcessor2_0` (the self-attention) is copied too: between
+the projections (and SANA 1.5's query/key RMSNorms, which run as diffusers runs them)
+and `to_out`, its relus, fp32 casts, padded value, two matmuls and guarded division go
+through `sites.linear_attention_site` (`ops.linear_attention`: the matmuls as eager runs
+them, on the very operands eager's `torch.matmul` builds, the elementwise work around
+them in two kernels). `SanaAttnProcessor2_0` (the cross-attention) is copied with two
+host-side changes that keep every bit: the caption mask is prepared once a forward for
+all blocks (`_prepared_mask`: the same ops on the same tensor), and the output is not
+divided by a `rescale_output_factor` of 1.0 (x / 1.0 is x). `Attention.forward` is
+copied with the processor's parameter names cached (diffusers runs `inspect.signature`
+on every call). Everything else runs as diffusers runs it: Sana without CUDA graphs is
+host-bound (bench/NOTES.md), which is what these host-side cuts are for.
 
 The copies are valid only for the diffusers source they were taken from:
 `accelerate` checks the diffusers version (0.42.x) and the sha256 of every copied

@@ -74,6 +74,18 @@ nvcc emits it). Triton links libdevice with flush-to-zero on; that changes
 to the storage dtype: after the bias add (eager's add_), after the SiLU (eager's
 silu), after the product (eager's mul); FMA contraction off.
 
+CHEAPER SILUS, CHECKED WHOLE. That SiLU (libdevice's expf, then `div.rn.f32` with its
+range check and slow-path branch) made the bias + SiLU kernel compute-bound: 79% of
+the copy ceiling on the H200. But for bf16 and fp16 the SiLU's input is a value of
+the storage dtype (the bias add's rounding, or the convolution's output) and its
+result is rounded to that dtype, so the SiLU is a function of 65,536 inputs:
+`silu_form` runs the kernel in each cheaper form (`SILU_FORMS`: ex2.approx with
+rcp.approx, or expf with a Newton-refined reciprocal) over every one of them, once per
+device, dtype and kernel, and keeps the first equal to eager's `F.silu` on all of
+them; else (and for fp32, whose inputs can't all be tried) aten's arithmetic. On the
+H200 (2026-12-02) bf16 takes ex2.approx + rcp.approx (equal on every input) and fp16
+the Newton form (the approximate one differs on 2 of 65,536 inputs by 1 ULP).
+
 Shapes: y [B, C, H, W] (bias_glu: 2C channels, output C), any strides where H and
 W merge (h stride = W x w stride: contiguous, channels-last and their channel
 slices); bias [C] (bias_glu: [2C]); one dtype (bf16, fp16, fp32). Output: a new
