@@ -188,15 +188,16 @@ class LinearAttentionPlan:
         self.prep, self.post, self.key = prep, post, key
 
 
-BLOCK_N = 64
+BLOCK_N, NUM_WARPS = 64, 4  # 64 tokens of one head a program
 
 
 def _recipes(B, N, C, heads, head, keep, strides, wide):
+    """The prep kernel's launch, and the epilogue's into eager's output strides."""
     (q_sb, q_sn), (k_sb, k_sn), (v_sb, v_sn) = strides
     grid = (cdiv(N, BLOCK_N), B * heads, 1)
-    num_warps = 4
-    prep = Recipe(grid, (N, heads, q_sb, q_sn, k_sb, k_sn, v_sb, v_sn), (head, keep, wide, BLOCK_N), num_warps)
-    return prep, (grid, num_warps, wide)
+    prep = Recipe(grid, (N, heads, q_sb, q_sn, k_sb, k_sn, v_sb, v_sn), (head, keep, wide, BLOCK_N), NUM_WARPS)
+    post = Recipe(grid, (N, heads, C * N, 1, N, EPS), (head, wide, BLOCK_N, INTERPRET), NUM_WARPS)
+    return prep, post
 
 
 _geometry = GeometryCache()
@@ -232,7 +233,7 @@ def plan_linear_attention(q, k, v, heads, tier: str = "lossless"):
         return "relu's sign of -0.0 can't be probed now (tracing, capture)"
     strides = ((q.stride(0), q.stride(1)), (k.stride(0), k.stride(1)), (v.stride(0), v.stride(1)))
     wide = needs_int64((B, q.stride(0)), (N, q.stride(1)), (B, k.stride(0)), (N, k.stride(1)), (B, v.stride(0)),
-                       (N, v.stride(1)), (B * heads * (head + 1), N))
+                       (N, v.stride(1)), (B * heads * (head + 1), N), (B, C * N), (C, N))
     prep, post = _geometry.get((B, N, C, heads, head, keep, strides, wide), _recipes, B, N, C, heads, head, keep,
                                strides, wide)
     key = (q.dtype, q.get_device(), f"heads of {head}", "wide" if wide else "narrow")
@@ -250,10 +251,10 @@ def _run(q, k, v, heads, head, prep, post, out):
     hidden = torch.bmm(torch.bmm(vp, kc), qt)  # eager's two matmuls, on the operands it builds
     if out is None:
         out = torch.empty_strided((B, N, C), (C * N, 1, N), dtype=q.dtype, device=q.device)
-    grid, num_warps, wide = post
-    _post(grid, (hidden, out), (N, heads, out.stride(0), out.stride(1), out.stride(2), EPS),
-          (head, wide or needs_int64((B, out.stride(0)), (N, out.stride(1)), (C, out.stride(2))), BLOCK_N, INTERPRET),
-          num_warps)
+        _post.launch(post, (hidden, out))
+        return out
+    wide = prep.consts[2] or needs_int64((B, out.stride(0)), (N, out.stride(1)), (C, out.stride(2)))
+    _post(post.grid, (hidden, out), (N, heads, *out.stride(), EPS), (head, wide, BLOCK_N, INTERPRET), NUM_WARPS)
     return out
 
 
