@@ -330,14 +330,17 @@ def _layer_norm_modulate_exact_kernel(
 
 
 @jit
-def centred(x, m, D):
+def centred(x, m, D, EVEN: tl.constexpr):
     """x - mean(x) per row of the fp32 tile x [R, BLOCK] (masked columns 0), and the
     rows' sums of its squares: the mean summed in float64, then x - hi - lo with
-    hi + lo the float64 mean split into two fp32 values."""
+    hi + lo the float64 mean split into two fp32 values. EVEN: no masked element."""
     mean = tl.sum(x.to(tl.float64), axis=1) / D
     hi = mean.to(tl.float32)
     lo = (mean - hi.to(tl.float64)).to(tl.float32)
-    xc = tl.where(m, (x - hi[:, None]) - lo[:, None], 0.0)
+    if EVEN:
+        xc = (x - hi[:, None]) - lo[:, None]
+    else:
+        xc = tl.where(m, (x - hi[:, None]) - lo[:, None], 0.0)
     return xc, tl.sum(xc * xc, axis=1)
 
 
@@ -351,25 +354,28 @@ def _layer_norm_modulate_high_kernel(
     eps, inv_d,
     R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    EVEN: tl.constexpr,  # D == BLOCK_D and S % R == 0: no masks
 ):
     b, s, r64, rmask = program_rows(S, R)
     cols = tl.arange(0, BLOCK_D)
-    m = rmask[:, None] & (cols < D)[None, :]
-    x = tl.load(
-        x_ptr + ((b * x_sb + s * x_ss)[:, None] + cols[None, :]), mask=m, other=0.0,
-        eviction_policy="evict_first",
-    ).to(tl.float32)
+    x_off = (b * x_sb + s * x_ss)[:, None] + cols[None, :]
+    if EVEN:
+        m = None
+        x = tl.load(x_ptr + x_off, eviction_policy="evict_first").to(tl.float32)
+    else:
+        m = rmask[:, None] & (cols < D)[None, :]
+        x = tl.load(x_ptr + x_off, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
     # the mean in float64, split into two fp32 terms for x - mean: an fp32 mean is off by
     # about 2**-24 of the row's sum of |x|, which is many ULPs of a centred value near
     # zero where the shift is zero (fuzz seed 0 case 8607: 4.75 ULP)
-    xc, ss = centred(x, m, D)
+    xc, ss = centred(x, m, D, EVEN)
     sc = tl.full(ss.shape, 1.0, tl.float32)
     if tl.max(ss, axis=0) > 3.0e38:  # some row's squares overflowed: rescale those rows exactly
         sc = overflow_scale(x)  # (x - mean) * rstd is invariant under the power-of-two scale
-        xc, ss = centred(x * sc[:, None], m, D)
+        xc, ss = centred(x * sc[:, None], m, D, EVEN)
     rstd = tl.math.rsqrt(ss * inv_d + eps * sc * sc)
-    scale = tl.load(scale_ptr + ((b * c_sb + s * c_ss)[:, None] + cols[None, :] * c_sd), mask=m, other=0.0)
-    shift = tl.load(shift_ptr + ((b * h_sb + s * h_ss)[:, None] + cols[None, :] * h_sd), mask=m, other=0.0)
+    scale = tl.load(scale_ptr + ((b * c_sb + s * c_ss)[:, None] + cols[None, :] * c_sd), mask=m)
+    shift = tl.load(shift_ptr + ((b * h_sb + s * h_ss)[:, None] + cols[None, :] * h_sd), mask=m)
     y = modulate_once(xc * rstd[:, None], scale, shift, out_ptr.dtype.element_ty)
     tl.store(out_ptr + ((r64 * D)[:, None] + cols[None, :]), y, mask=m, cache_modifier=".cs")
 
@@ -377,7 +383,7 @@ def _layer_norm_modulate_high_kernel(
 _launch_exact = FastLaunch(_layer_norm_modulate_exact_kernel, (
     "D", "WELFORD_FMA", "MEAN_V", "SIG_FMA", "PASS2", "BLOCK_D", "RSQRT_ASM", "R", "F32", "MODE", "AFFINE_FMA",
     "SCALE_TABLE", "SHIFT_TABLE"))
-_launch_high = FastLaunch(_layer_norm_modulate_high_kernel, ("R", "BLOCK_D"))
+_launch_high = FastLaunch(_layer_norm_modulate_high_kernel, ("R", "BLOCK_D", "EVEN"))
 
 
 # ---------------------------------------------------------------- launcher
@@ -453,7 +459,7 @@ def _recipe_of(plan, config=None, stats=None) -> Recipe:
     block_d = next_pow2(r.D)
     R, num_warps = config or high_launch_shape(block_d, r.S, plan.x.element_size())
     return Recipe((cdiv(r.S, R), r.B), (r.S, r.D, r.sb, r.ss, *plan.c_strides, *plan.h_strides, plan.eps, 1.0 / r.D),
-                  (R, block_d), num_warps)
+                  (R, block_d, block_d == r.D and r.S % R == 0), num_warps)
 
 
 def _operands(exact: bool, x, scale, shift, out, ct, ht, stats=None) -> tuple:

@@ -280,14 +280,19 @@ def _rms_norm_modulate_high_kernel(
     BLOCK_D: tl.constexpr,
     SCALE_TABLE: tl.constexpr = False,
     SHIFT_TABLE: tl.constexpr = False,
+    EVEN: tl.constexpr = False,  # D == BLOCK_D and S % R == 0: no masks
 ):
     b, s, r64, rmask = program_rows(S, R)
     cols = tl.arange(0, BLOCK_D)
-    m = rmask[:, None] & (cols < D)[None, :]
-    x = tl.load(
-        x_ptr + ((b * x_sb + s * x_ss)[:, None] + cols[None, :]), mask=m, other=0.0,
-        eviction_policy="evict_first",
-    ).to(tl.float32)
+    x_off = (b * x_sb + s * x_ss)[:, None] + cols[None, :]
+    if EVEN:
+        m = None
+        col_ok = None
+        x = tl.load(x_ptr + x_off, eviction_policy="evict_first").to(tl.float32)
+    else:
+        m = rmask[:, None] & (cols < D)[None, :]
+        col_ok = cols < D
+        x = tl.load(x_ptr + x_off, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
     ss = tl.sum(x * x, axis=1)
     sc = tl.full(ss.shape, 1.0, tl.float32)
     if tl.max(ss, axis=0) > 3.0e38:  # some row's squares overflowed: rescale those rows exactly
@@ -296,7 +301,6 @@ def _rms_norm_modulate_high_kernel(
         ss = tl.sum(xs * xs, axis=1)
     r = tl.math.rsqrt(ss * inv_d + eps * sc * sc) * sc  # 1 / rms(x), exactly rescaled
     dtype = out_ptr.dtype.element_ty
-    col_ok = cols < D
     scale = load_param(scale_ptr, (b * c_sb + s * c_ss)[:, None] + cols[None, :] * c_sd, m, scale_table_ptr,
                        cols * ct_sd, col_ok, SCALE_TABLE, dtype, False)
     shift = load_param(shift_ptr, (b * h_sb + s * h_ss)[:, None] + cols[None, :] * h_sd, m, shift_table_ptr,
@@ -308,7 +312,7 @@ def _rms_norm_modulate_high_kernel(
 _launch_exact = FastLaunch(_rms_norm_modulate_exact_kernel, (
     "D", "REF", "LANES", "XSTEPS", "WARP_INC", "PASS2", "BLOCK_D", "RSQRT_ASM", "R", "MODULATE", "SCALE_TABLE",
     "SHIFT_TABLE"))
-_launch_high = FastLaunch(_rms_norm_modulate_high_kernel, ("R", "BLOCK_D", "SCALE_TABLE", "SHIFT_TABLE"))
+_launch_high = FastLaunch(_rms_norm_modulate_high_kernel, ("R", "BLOCK_D", "SCALE_TABLE", "SHIFT_TABLE", "EVEN"))
 
 
 # ---------------------------------------------------------------- launcher
@@ -447,7 +451,7 @@ def _recipe_of(plan, config=None, stats=None) -> Recipe:
     return Recipe(
         (cdiv(r.S, R), r.B),
         (r.S, r.D, r.sb, r.ss, *plan.c_strides, *plan.h_strides, *table_strides, plan.eps, 1.0 / r.D),
-        (R, block_d, ct is not None, ht is not None),
+        (R, block_d, ct is not None, ht is not None, block_d == r.D and r.S % R == 0),
         num_warps,  # FMA contraction off (FastLaunch's default): see _norm.modulate_once
     )
 
