@@ -252,14 +252,16 @@ def _pixel_stride(shape, stride) -> int | None:
     return None
 
 
-def launch_shape(P: int, C: int, cl: bool, elem_bytes: int) -> tuple[int, int, int]:
-    """(BLOCK_P, BLOCK_C, num_warps): channels-last, tiles of 2048 elements (up to 128
-    channels by 16 pixels) on 8 warps, the fastest of 18 shapes at Sana's and the op
-    bench's geometries on the H200 (2026-12-01: 16 x 256 took 17-25% longer);
-    otherwise tiles of about 4096 elements in blocks of up to 1024 pixels."""
+def launch_shape(P: int, C: int, cl: bool, elem_bytes: int, glu: bool = True) -> tuple[int, int, int]:
+    """(BLOCK_P, BLOCK_C, num_warps): channels-last, up to 128 channels by 16 pixels
+    (bias_glu) or 32 pixels (bias_silu) on 8 warps, the fastest of 12 shapes for each
+    at the op bench's geometry on the H200 with the cheaper SiLU forms (2026-12-02,
+    bench/NOTES.md: bias + SiLU 89.7% of the copy ceiling at 32 x 128 against 84.1% at
+    16 x 128; bias + gated SiLU best at 16 x 128); otherwise tiles of about 4096
+    elements in blocks of up to 1024 pixels."""
     if cl:
         block_c = min(128, next_pow2(C))
-        block_p = max(1, min(2048 // block_c, next_pow2(P)))
+        block_p = max(1, min((2048 if glu else 4096) // block_c, next_pow2(P)))
         return block_p, block_c, max(1, min(8, block_p * block_c * elem_bytes // 512))
     block_p = min(1024, next_pow2(P))
     block_c = max(1, min(4096 // block_p, next_pow2(C)))
@@ -299,7 +301,7 @@ def _make_recipe(y, bias, out, glu, form, config):
     cl = not (ysp == 1 and P > 1)  # any strides work; this picks the tile's contiguous axis
     bs = 0 if bias is None else bias.stride(0)
     wide = needs_int64((B, ysb), (Ct, ysc), (P, ysp), (B, osb), (C, osc), (P, osp), (Ct, bs))
-    block_p, block_c, num_warps = config or launch_shape(P, C, cl, y.element_size())
+    block_p, block_c, num_warps = config or launch_shape(P, C, cl, y.element_size(), glu)
     nfb = cdiv(C, block_c) if cl else cdiv(P, block_p)
     nsb = cdiv(P, block_p) if cl else cdiv(C, block_c)
     even = P % block_p == 0 and C % block_c == 0
