@@ -4,7 +4,6 @@ the gate. On the CPU, under Triton's interpreter: the kernels' indexing and the
 dispatch (bf16 exactness is the GPU tests' and the fuzz run's)."""
 
 import dataclasses
-import os
 import warnings
 
 import pytest
@@ -14,11 +13,8 @@ import bitfuse
 from bitfuse import policy, sites
 from bitfuse.numerics import same_bits
 from bitfuse.ops import SPECS, _params, cases, conv_epilogue, gated_residual, layer_norm_modulate, modulate, qk_norm_rope
-from bitfuse.ops._launch import HAS_TRITON
+from interpreted import interpreter
 
-interpreter = pytest.mark.skipif(
-    not HAS_TRITON or os.environ.get("TRITON_INTERPRET") != "1", reason="needs triton's interpreter (CPU runs)"
-)
 
 
 @pytest.fixture

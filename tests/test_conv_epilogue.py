@@ -9,8 +9,6 @@ GPU tests compare them with eager's bits."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import warnings
 
 import numpy as np
@@ -24,21 +22,8 @@ from bitfuse.ops import SPECS, cases
 from bitfuse.ops import _launch
 from bitfuse.ops import _params as params_module
 from bitfuse.ops import conv_epilogue as E
-from bitfuse.ops._launch import HAS_TRITON
+from interpreted import cpu_kernels, interpreter
 
-interpreter = pytest.mark.skipif(
-    not HAS_TRITON or os.environ.get("TRITON_INTERPRET") != "1", reason="needs triton's interpreter (CPU runs)"
-)
-
-
-@contextlib.contextmanager
-def cpu_kernels():
-    """Plans for CPU tensors, to run the kernels in Triton's interpreter."""
-    old, params_module.INTERPRET_ON_CPU = params_module.INTERPRET_ON_CPU, True
-    try:
-        yield
-    finally:
-        params_module.INTERPRET_ON_CPU = old
 
 
 def np_silu(t: torch.Tensor) -> torch.Tensor:

@@ -6,31 +6,16 @@ bitwise against the reference."""
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 
 import pytest
 import torch
 
 from bitfuse.numerics import same_bits
 from bitfuse.ops import SPECS, cases
-from bitfuse.ops import _params as params_module
 from bitfuse.ops import linear_attention as LA
-from bitfuse.ops._launch import HAS_TRITON
+from interpreted import cpu_kernels, interpreter
 
-interpreter = pytest.mark.skipif(
-    not HAS_TRITON or os.environ.get("TRITON_INTERPRET") != "1", reason="needs triton's interpreter (CPU runs)"
-)
-
-
-@contextlib.contextmanager
-def cpu_kernels():
-    old, params_module.INTERPRET_ON_CPU = params_module.INTERPRET_ON_CPU, True
-    try:
-        yield
-    finally:
-        params_module.INTERPRET_ON_CPU = old
 
 
 def test_reference_is_diffusers_processor():

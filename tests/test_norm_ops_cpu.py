@@ -10,23 +10,17 @@ module docstrings describe (aten's thread mapping, accumulators and trees).
 The GPU tests then check the same kernels' statistics against aten's own.
 """
 
-import contextlib
-import os
 
 import numpy as np
 import pytest
 import torch
 
 from bitfuse.numerics import same_bits
-from bitfuse.ops import _params as params_module
 from bitfuse.ops import layer_norm_modulate as LN
 from bitfuse.ops import rms_norm_modulate as RMS
-from bitfuse.ops._launch import HAS_TRITON
 from bitfuse.ops._params import Folded
+from interpreted import cpu_kernels, interpreter
 
-interpreter = pytest.mark.skipif(
-    not HAS_TRITON or os.environ.get("TRITON_INTERPRET") != "1", reason="needs triton's interpreter (CPU runs)"
-)
 EPS = 1e-6
 
 
@@ -41,16 +35,6 @@ def test_cpu_tensors_take_the_reference():
     assert same_bits(out, RMS.rms_norm_modulate_reference(x, c, h, EPS, "aten"))
     out = LN.layer_norm_modulate(x, c, h, EPS)
     assert same_bits(out, LN.layer_norm_modulate_reference(x, c, h, EPS))
-
-
-@contextlib.contextmanager
-def cpu_kernels():
-    """Plans for CPU tensors, to run the kernels in Triton's interpreter."""
-    old, params_module.INTERPRET_ON_CPU = params_module.INTERPRET_ON_CPU, True
-    try:
-        yield
-    finally:
-        params_module.INTERPRET_ON_CPU = old
 
 
 def _plan(kind, x, c, h, exact=True):

@@ -11,7 +11,6 @@ equal the emulated norm and rotation computed from the kernel's rsqrt (the
 interpreter's rsqrt is numpy's, not CUDA's). The GPU tests compare with aten itself.
 """
 
-import os
 
 import pytest
 import torch
@@ -21,13 +20,10 @@ from bitfuse.numerics import same_bits
 from bitfuse.ops import SPECS, cases
 from bitfuse.ops import _params as params_module
 from bitfuse.ops import qk_norm_rope as Q
-from bitfuse.ops._launch import HAS_TRITON
 from bitfuse.ops.rms_norm_modulate import mean_factor, mean_reduce_config
 from bitfuse.ops.rotary import addcmul_fuses
+from interpreted import interpreter
 
-interpreter = pytest.mark.skipif(
-    not HAS_TRITON or os.environ.get("TRITON_INTERPRET") != "1", reason="needs triton's interpreter (CPU runs)"
-)
 EPS = 1e-6
 
 
