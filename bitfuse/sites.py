@@ -33,6 +33,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+from torch.nn.modules import module as _nn_module
 
 from . import policy
 from .ops import (
@@ -548,9 +549,18 @@ def _joint_freqs(sources, freqs, rope_type):
 # ---------------------------------------------------------------- norms
 
 
+def unhooked(module) -> bool:
+    """Nothing steps into a call of `module`: no hooks (its own or global: torch's
+    `register_module_forward_hook` and kin) and no `module.compile()`'d call."""
+    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or _nn_module._global_forward_hooks
+                or _nn_module._global_forward_pre_hooks or _nn_module._global_backward_hooks
+                or _nn_module._global_backward_pre_hooks or module._compiled_call_impl is not None)
+
+
 def _plain_module(module) -> bool:
-    """Calling `module` is just its class's forward: no hooks, no instance forward."""
-    return "forward" not in module.__dict__ and not (module._forward_hooks or module._forward_pre_hooks)
+    """Calling `module` is just its class's forward: `unhooked`, no instance forward."""
+    return "forward" not in module.__dict__ and unhooked(module)
 
 
 def norm_kind(norm) -> str | None:
@@ -561,8 +571,9 @@ def norm_kind(norm) -> str | None:
     cls = type(norm)
     if not isinstance(norm, torch.nn.Module) or not _plain_module(norm):
         return None
-    if cls is torch.nn.LayerNorm:
-        return "layer_norm" if norm.weight is None and norm.bias is None else None
+    if cls is torch.nn.LayerNorm:  # (its weight and bias are registered parameters, None without affine)
+        p = norm._parameters
+        return "layer_norm" if p.get("weight", 0) is None and p.get("bias", 0) is None else None
     if cls is torch.nn.RMSNorm:
         return "aten" if norm.weight is None and norm.eps is not None else None
     if cls.__name__ == "RMSNorm" and cls.__module__ == "diffusers.models.normalization":
@@ -673,7 +684,8 @@ def _conv_args(conv, act, x):
         return None
     if isinstance(conv.padding, str):
         return None
-    return (x, conv.weight, conv.bias, tuple(conv.stride), tuple(conv.padding), tuple(conv.dilation), conv.groups)
+    p = conv._parameters  # (conv.weight and conv.bias, without nn.Module's attribute fallback)
+    return (x, p["weight"], p["bias"], tuple(conv.stride), tuple(conv.padding), tuple(conv.dilation), conv.groups)
 
 
 def _conv_key(name, args):
@@ -773,6 +785,7 @@ __all__ = [
     "joint_qk_norm_rope_site",
     "qk_norm_kind",
     "norm_kind",
+    "unhooked",
     "conv_bias_silu_site",
     "conv_bias_glu_site",
     "linear_attention_site",

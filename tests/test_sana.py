@@ -362,6 +362,42 @@ def test_a_processor_override_is_left_alone():
     assert is_stock(model)
 
 
+def test_module_hooks_run_as_in_stock():
+    """The copies call plain modules directly (`models._direct`) and the sites compute
+    norms, convolutions and SiLUs without calling their modules; a hooked module, or
+    any module under a global hook, is called as a module: a global hook sees every
+    module call stock makes, and a hook's changed output reaches the model."""
+    model = _model("1.0")
+    kw = _inputs(model, 2)
+
+    def counts():
+        seen = collections.Counter()
+        handle = torch.nn.modules.module.register_module_forward_hook(
+            lambda m, args, out: seen.update([type(m).__name__]))
+        try:
+            out = run(model, kw)
+        finally:
+            handle.remove()
+        return out, seen
+
+    ref, stock_seen = counts()
+    with bitfuse.accelerate(model):
+        out, seen = counts()
+        assert_same(out, ref)
+        assert seen == stock_seen
+        assert all(stock_seen[name] > 0 for name in ("Linear", "Dropout", "Conv2d", "LayerNorm", "SiLU"))
+        block = model.transformer_blocks[1]
+        block.attn2.to_out[0].register_forward_hook(lambda m, args, out: out * 0)
+        zeroed = run(model, kw)
+    block.attn2.to_out[0]._forward_hooks.clear()
+    stock_zeroed = model.transformer_blocks[1].attn2.to_out[0].register_forward_hook(lambda m, args, out: out * 0)
+    try:
+        assert_same(zeroed, run(model, kw))
+    finally:
+        stock_zeroed.remove()
+    assert not torch.equal(zeroed[0], ref[0])
+
+
 # ---------------------------------------------------------------- tiers
 
 

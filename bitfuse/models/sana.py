@@ -82,7 +82,7 @@ from diffusers.models.transformers.sana_transformer import (
 )
 
 from .. import sites
-from . import _install
+from . import _direct, _install
 
 __all__ = ["COPIES", "SOURCES", "VERIFIED_SOURCES", "accelerate", "stock_functions"]
 
@@ -131,22 +131,32 @@ def _block_forward(
 
     # 1. Modulation
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
-        self.scale_shift_table[None] + timestep.reshape(batch_size, 6, -1)
+        # diffusers: self.scale_shift_table[None] + timestep.reshape(batch_size, 6, -1)
+        # bitfuse: [6, D] broadcasts as [1, 6, D] does (the same sum, contiguous [B, 6, D]) without the
+        # bitfuse: indexing op; under tracing as stock writes it (the same graph)
+        (self.scale_shift_table[None] if torch.compiler.is_compiling() else self.scale_shift_table)
+        + timestep.reshape(batch_size, 6, -1)
     ).chunk(6, dim=1)
 
     # 2. Self Attention
     # diffusers: norm_hidden_states = self.norm1(hidden_states)
     # diffusers: norm_hidden_states = norm_hidden_states * (1 + scale_msa) + shift_msa
     norm_hidden_states = sites.layer_norm_modulate_site(self, self.norm1, hidden_states, scale_msa, shift_msa)
-    norm_hidden_states = norm_hidden_states.to(hidden_states.dtype)
+    # diffusers: norm_hidden_states = norm_hidden_states.to(hidden_states.dtype)
+    # bitfuse: .to of its own dtype returns the tensor itself: called to change it (and traced as stock)
+    if norm_hidden_states.dtype != hidden_states.dtype or torch.compiler.is_compiling():
+        norm_hidden_states = norm_hidden_states.to(hidden_states.dtype)
 
-    attn_output = self.attn1(norm_hidden_states)
+    # diffusers: attn_output = self.attn1(norm_hidden_states)
+    attn_output = _direct.call(self.attn1, norm_hidden_states)
     # diffusers: hidden_states = hidden_states + gate_msa * attn_output
     hidden_states = sites.gated_residual_site(hidden_states, attn_output, gate_msa)
 
     # 3. Cross Attention
     if self.attn2 is not None:
-        attn_output = self.attn2(
+        # diffusers: attn_output = self.attn2(
+        attn_output = _direct.call(
+            self.attn2,
             hidden_states,
             encoder_hidden_states=encoder_hidden_states,
             attention_mask=encoder_attention_mask,
@@ -159,7 +169,8 @@ def _block_forward(
     norm_hidden_states = sites.layer_norm_modulate_site(self, self.norm2, hidden_states, scale_mlp, shift_mlp)
 
     norm_hidden_states = norm_hidden_states.unflatten(1, (height, width)).permute(0, 3, 1, 2)
-    ff_output = self.ff(norm_hidden_states)
+    # diffusers: ff_output = self.ff(norm_hidden_states)
+    ff_output = _direct.call(self.ff, norm_hidden_states)
     ff_output = ff_output.flatten(2, 3).permute(0, 2, 1)
     # diffusers: hidden_states = hidden_states + gate_mlp * ff_output
     hidden_states = sites.gated_residual_site(hidden_states, ff_output, gate_mlp)
@@ -181,7 +192,8 @@ def _glumbconv_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     # diffusers: hidden_states = hidden_states * self.nonlinearity(gate)
     hidden_states = sites.conv_bias_glu_site(self.conv_depth, self.nonlinearity, hidden_states)
 
-    hidden_states = self.conv_point(hidden_states)
+    # diffusers: hidden_states = self.conv_point(hidden_states)
+    hidden_states = _direct.call(self.conv_point, hidden_states)
 
     if self.norm_type == "rms_norm":
         # move channel to the last dimension so we apply RMSnorm across channel dimension
@@ -221,9 +233,12 @@ class _LinearAttnProcessor(SanaLinearAttnProcessor2_0):
         if encoder_hidden_states is None:
             encoder_hidden_states = hidden_states
 
-        query = attn.to_q(hidden_states)
-        key = attn.to_k(encoder_hidden_states)
-        value = attn.to_v(encoder_hidden_states)
+        # diffusers: query = attn.to_q(hidden_states)
+        query = _direct.call(attn.to_q, hidden_states)
+        # diffusers: key = attn.to_k(encoder_hidden_states)
+        key = _direct.call(attn.to_k, encoder_hidden_states)
+        # diffusers: value = attn.to_v(encoder_hidden_states)
+        value = _direct.call(attn.to_v, encoder_hidden_states)
 
         if attn.norm_q is not None:
             query = attn.norm_q(query)
@@ -244,8 +259,10 @@ class _LinearAttnProcessor(SanaLinearAttnProcessor2_0):
         # diffusers: hidden_states = hidden_states.to(original_dtype)
         hidden_states = sites.linear_attention_site(query, key, value, attn.heads, original_dtype)
 
-        hidden_states = attn.to_out[0](hidden_states)
-        hidden_states = attn.to_out[1](hidden_states)
+        # diffusers: hidden_states = attn.to_out[0](hidden_states)
+        # diffusers: hidden_states = attn.to_out[1](hidden_states)
+        hidden_states = _direct.call(attn.to_out[0], hidden_states)
+        hidden_states = _direct.call(attn.to_out[1], hidden_states)
 
         if original_dtype == torch.float16:
             hidden_states = hidden_states.clip(-65504, 65504)
@@ -275,13 +292,16 @@ class _CrossAttnProcessor(SanaAttnProcessor2_0):
             # diffusers: attention_mask = attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])
             attention_mask = _prepared_mask(attn, attention_mask, sequence_length, batch_size)
 
-        query = attn.to_q(hidden_states)
+        # diffusers: query = attn.to_q(hidden_states)
+        query = _direct.call(attn.to_q, hidden_states)
 
         if encoder_hidden_states is None:
             encoder_hidden_states = hidden_states
 
-        key = attn.to_k(encoder_hidden_states)
-        value = attn.to_v(encoder_hidden_states)
+        # diffusers: key = attn.to_k(encoder_hidden_states)
+        key = _direct.call(attn.to_k, encoder_hidden_states)
+        # diffusers: value = attn.to_v(encoder_hidden_states)
+        value = _direct.call(attn.to_v, encoder_hidden_states)
 
         if attn.norm_q is not None:
             query = attn.norm_q(query)
@@ -303,12 +323,17 @@ class _CrossAttnProcessor(SanaAttnProcessor2_0):
         )
 
         hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
-        hidden_states = hidden_states.to(query.dtype)
+        # diffusers: hidden_states = hidden_states.to(query.dtype)
+        # bitfuse: .to of its own dtype returns the tensor itself: called to change it (and traced as stock)
+        if hidden_states.dtype != query.dtype or torch.compiler.is_compiling():
+            hidden_states = hidden_states.to(query.dtype)
 
         # linear proj
-        hidden_states = attn.to_out[0](hidden_states)
+        # diffusers: hidden_states = attn.to_out[0](hidden_states)
+        hidden_states = _direct.call(attn.to_out[0], hidden_states)
         # dropout
-        hidden_states = attn.to_out[1](hidden_states)
+        # diffusers: hidden_states = attn.to_out[1](hidden_states)
+        hidden_states = _direct.call(attn.to_out[1], hidden_states)
 
         # diffusers: hidden_states = hidden_states / attn.rescale_output_factor
         # bitfuse: x / 1.0 is x, bit for bit (NaN stays NaN): divided only by another factor (or traced as stock)

@@ -1,0 +1,51 @@
+"""Module calls without `nn.Module.__call__`'s machinery, where that is the same call.
+
+A faithful copy writes `_direct.call(attn.to_q, x)` where diffusers writes
+`attn.to_q(x)`. When nothing can step into the call (no hooks on the module, no
+global module hooks, no `module.compile()`, no TorchScript tracing, no torch.compile
+tracing), `module(x)` is `module.forward(x)`: `nn.Module._call_impl`'s own fast path.
+`call` makes that call directly, and for these torch classes themselves (not
+subclasses such as PEFT's LoRA layers or a quantised linear, which keep their module
+call) the forward's body:
+
+    nn.Linear                          -> F.linear(x, weight, bias)
+    nn.Dropout, eval mode or p == 0    -> x (aten's dropout returns its input itself then)
+    nn.Conv2d, zero padding            -> F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+
+Anything else is called as a module. A host-bound model makes a dozen such calls a
+block (Sana: the projections, the dropouts, the attention modules, the feed-forward);
+each skips two Python frames and the forward's attribute lookups, a few microseconds
+of host time (bench/NOTES.md). Under `torch.compile` the copies trace the module
+calls as diffusers writes them.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from .. import sites
+
+__all__ = ["call", "plain"]
+
+
+def plain(module) -> bool:
+    """Calling `module` now is exactly `module.forward(...)`: `sites.unhooked` (no hooks
+    of its own or global, no compiled call) and no tracing of any kind."""
+    return sites.unhooked(module) and not (torch._C._get_tracing_state() or torch.compiler.is_compiling())
+
+
+def call(module, x, *args, **kwargs):
+    """`module(x, *args, **kwargs)`, without the module machinery where `plain(module)`."""
+    if not plain(module):
+        return module(x, *args, **kwargs)
+    cls = type(module)
+    if cls is torch.nn.Linear and not (args or kwargs) and "forward" not in module.__dict__:
+        p = module._parameters
+        return F.linear(x, p["weight"], p["bias"])
+    if cls is torch.nn.Dropout and not (args or kwargs) and "forward" not in module.__dict__ \
+            and type(x) is torch.Tensor and (module.p == 0 or (not module.training and 0 <= module.p <= 1)):
+        return x
+    if cls is torch.nn.Conv2d and not (args or kwargs) and "forward" not in module.__dict__ \
+            and module.padding_mode == "zeros":
+        p = module._parameters
+        return F.conv2d(x, p["weight"], p["bias"], module.stride, module.padding, module.dilation, module.groups)
+    return module.forward(x, *args, **kwargs)
