@@ -296,3 +296,24 @@ def test_the_compile_scope_goes_inside_a_hook_wrapper_and_comes_out():
     assert seen == [("hook", None), ("block", True)]
     handle.restore()
     assert model.forward is wrapper and model._old_forward.__func__ is Model.forward
+
+
+def test_processor_parameters_are_kept_only_for_the_classes_named():
+    install = _install
+    class Listed:
+        def __call__(self, attn, hidden_states, extra=None):
+            return hidden_states
+
+    class Other(Listed):
+        pass
+
+    install._call_parameters.pop(Listed, None)
+    names = {"attn", "hidden_states", "extra"}
+    assert install.processor_parameters(Listed(), {Listed}) == names
+    assert install._call_parameters[Listed] == names
+    assert install.processor_parameters(Other(), {Listed}) == names and Other not in install._call_parameters
+    own = Listed()
+    own.__call__ = lambda attn, only=None: None  # an instance override: its own names, never cached
+    assert install.processor_parameters(own, {Listed}) == {"attn", "only"}
+    assert install._call_parameters[Listed] == names
+    install._call_parameters.pop(Listed, None)

@@ -48,6 +48,7 @@ __all__ = [
     "ClassSwap",
     "Handle",
     "accelerate",
+    "processor_parameters",
     "release_matches",
 ]
 
@@ -143,6 +144,27 @@ class CopiedSources:
                 )
             warnings.warn(msg + "; accelerating anyway because force=True", UserWarning, stacklevel=4)
         return found
+
+
+# ---------------------------------------------------------------- attention forwards
+
+_call_parameters: dict = {}  # processor class -> the parameter names of its __call__
+
+
+def processor_parameters(processor, cacheable: Iterable[type]) -> set:
+    """`set(inspect.signature(processor.__call__).parameters)`, as diffusers' attention
+    forwards compute it on every call (tens of microseconds of host time), kept per
+    class for the classes in `cacheable` (exactly those) whose `__call__` the instance
+    does not override."""
+    cls = type(processor)
+    if "__call__" not in getattr(processor, "__dict__", {}):
+        known = _call_parameters.get(cls)
+        if known is not None:
+            return known
+    names = set(inspect.signature(processor.__call__).parameters.keys())
+    if cls in cacheable and "__call__" not in getattr(processor, "__dict__", {}):
+        _call_parameters[cls] = names
+    return names
 
 
 # ---------------------------------------------------------------- per-instance swaps

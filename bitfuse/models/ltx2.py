@@ -1023,9 +1023,6 @@ class _PerturbedAttnProcessor(LTX2PerturbedAttnProcessor):
         return hidden_states
 
 
-_call_parameters: dict = {}  # processor class -> the parameter names of its __call__
-
-
 def _attention_forward(
     self,
     hidden_states: torch.Tensor,
@@ -1040,13 +1037,7 @@ def _attention_forward(
     of microseconds of host time each (the same names, the same filtering and warning)."""
     # diffusers: attn_parameters = set(inspect.signature(self.processor.__call__).parameters.keys())
     # bitfuse: cached for the processor classes whose __call__ is a plain method (no instance override)
-    processor = self.processor
-    cls = type(processor)
-    attn_parameters = _call_parameters.get(cls) if "__call__" not in getattr(processor, "__dict__", {}) else None
-    if attn_parameters is None:
-        attn_parameters = set(inspect.signature(processor.__call__).parameters.keys())
-        if isinstance(processor, (LTX2AudioVideoAttnProcessor, LTX2PerturbedAttnProcessor)):
-            _call_parameters[cls] = attn_parameters
+    attn_parameters = _install.processor_parameters(self.processor, _CACHEABLE)
     unused_kwargs = [k for k, _ in kwargs.items() if k not in attn_parameters]
     if len(unused_kwargs) > 0:
         # diffusers: logger.warning(
@@ -1062,6 +1053,7 @@ def _attention_forward(
 
 #: stock processor class -> ours; a processor of any other class (a user's) is left alone
 _PROCESSORS = {LTX2AudioVideoAttnProcessor: _AttnProcessor, LTX2PerturbedAttnProcessor: _PerturbedAttnProcessor}
+_CACHEABLE = frozenset(_PROCESSORS) | frozenset(_PROCESSORS.values())  # __call__ signatures known not to change
 
 #: our line-for-line copies, by the stock name they copy (tests/test_copies.py diffs them)
 COPIES = {

@@ -67,7 +67,6 @@ The copies are valid only for the diffusers source they were taken from:
 function (`SOURCES`), and refuses otherwise unless `force=True`.
 """
 
-import inspect
 
 import torch
 import torch.nn.functional as F
@@ -371,7 +370,6 @@ def _prepared_mask(attn, attention_mask, sequence_length, batch_size):
 
 
 _STOCK_PREPARE = Attention.prepare_attention_mask
-_call_parameters: dict = {}  # processor class -> the parameter names of its __call__
 
 
 def _attention_forward(
@@ -389,14 +387,8 @@ def _attention_forward(
     # For standard processors that are defined here, `**cross_attention_kwargs` is empty
 
     # diffusers: attn_parameters = set(inspect.signature(self.processor.__call__).parameters.keys())
-    # bitfuse: cached for our processor classes whose __call__ is a plain method (no instance override)
-    processor = self.processor
-    cls = type(processor)
-    attn_parameters = _call_parameters.get(cls) if "__call__" not in getattr(processor, "__dict__", {}) else None
-    if attn_parameters is None:
-        attn_parameters = set(inspect.signature(processor.__call__).parameters.keys())
-        if cls in _PROCESSORS.values():
-            _call_parameters[cls] = attn_parameters
+    # bitfuse: cached for the processor classes whose __call__ is a plain method (no instance override)
+    attn_parameters = _install.processor_parameters(self.processor, _CACHEABLE)
     quiet_attn_parameters = {"ip_adapter_masks", "ip_hidden_states"}
     unused_kwargs = [
         k for k, _ in cross_attention_kwargs.items() if k not in attn_parameters and k not in quiet_attn_parameters
@@ -419,6 +411,7 @@ def _attention_forward(
 
 #: stock processor class -> ours; a processor of any other class (a user's) is left alone
 _PROCESSORS = {SanaLinearAttnProcessor2_0: _LinearAttnProcessor, SanaAttnProcessor2_0: _CrossAttnProcessor}
+_CACHEABLE = frozenset(_PROCESSORS) | frozenset(_PROCESSORS.values())  # __call__ signatures known not to change
 
 #: stock class -> our copy of its forward
 FORWARDS = {
