@@ -10,6 +10,11 @@ forward for each mode, then for the last mode cProfile's functions by own time a
 the top-level aten ops one forward dispatches.
 
     python -m bench.host_profile sana --split      # at the preset's own shape
+    python -m bench.host_profile sana --pixels 64 --modes eager lossless compile   # Sana's host floor
+
+At 64 x 64 pixels (4 tokens a sample) a Sana forward's GPU work is negligible: the
+wall time per mode is its host time, which at Sana's own shape is what bounds every
+mode but CUDA graphs (bench/NOTES.md, 2026-12-03).
 
 --split also prints, per mode, the host time of a forward split over the repeated
 blocks' non-leaf children (attention, feed-forward, ...), the blocks' own code (the

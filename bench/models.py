@@ -97,7 +97,7 @@ class Preset:
     """A model to benchmark. `build(configs, args) -> (config, model)` and
     `workloads(configs, model, args) -> {name: (description, forward kwargs)}`,
     where `configs` is the module named `module`, imported when the preset runs.
-    `options`: the preset-specific flags it takes (tokens, per_token, pass_coords, stg)."""
+    `options`: the preset-specific flags it takes (tokens, per_token, pass_coords, stg, pixels)."""
 
     name: str
     module: str
@@ -158,9 +158,10 @@ def _hook_build(configs, args):
 
 
 def _hook_workloads(configs, model, args, pixels):
-    """`make_inputs(model, batch=...)`, with height/width in pixels where it takes them
-    (the recorded input shapes say what ran)."""
+    """`make_inputs(model, batch=...)`, with height/width in pixels (--pixels, else the
+    preset's) where it takes them (the recorded input shapes say what ran)."""
     kwargs = dict(batch=args.batch)
+    pixels = args.pixels or pixels
     if not args.tiny and {"height", "width"} <= set(inspect.signature(configs.make_inputs).parameters):
         kwargs.update(height=pixels, width=pixels)
     return {"default": (f"B={args.batch}, {pixels} x {pixels}" if "height" in kwargs else f"B={args.batch}",
@@ -201,9 +202,9 @@ PRESETS = {
                functools.partial(_ltx2_build, variant="2.3"), functools.partial(_ltx2_workloads, variant="2.3"), 2,
                LTX_OPTIONS + ("stg",)),
         Preset("flux", "bitfuse.models.flux_configs", "FLUX.1-dev at 1024 x 1024 (4,096 image + 512 text tokens)",
-               _hook_build, functools.partial(_hook_workloads, pixels=1024), 1),
+               _hook_build, functools.partial(_hook_workloads, pixels=1024), 1, ("pixels",)),
         Preset("qwenimage", "bitfuse.models.qwenimage_configs", "Qwen-Image at 1328 x 1328, 60 layers",
-               _hook_build, functools.partial(_hook_workloads, pixels=1328), 1),
+               _hook_build, functools.partial(_hook_workloads, pixels=1328), 1, ("pixels",)),
         Preset("wan", "bitfuse.models.wan_configs", "Wan 2.1 T2V 14B at 832 x 480, 81 frames (32,760 tokens)",
                functools.partial(_wan_build, variant="2.1-14b"), functools.partial(_wan_workloads, variant="2.1-14b"),
                1),
@@ -211,7 +212,7 @@ PRESETS = {
                "Wan 2.2 TI2V 5B at 1280 x 704, 121 frames (27,280 tokens), per-token timestep",
                functools.partial(_wan_build, variant="2.2-5b"), functools.partial(_wan_workloads, variant="2.2-5b"), 1),
         Preset("sana", "bitfuse.models.sana_configs", "Sana 1.6B at 1024 x 1024 (1,024 tokens, 300 caption tokens), "
-               "20 layers, B=2 (CFG)", _hook_build, functools.partial(_hook_workloads, pixels=1024), 2),
+               "20 layers, B=2 (CFG)", _hook_build, functools.partial(_hook_workloads, pixels=1024), 2, ("pixels",)),
     )
 }
 
@@ -268,6 +269,9 @@ def add_model_arguments(ap: argparse.ArgumentParser, modes_default=modes.MODES) 
                         "6,144 tokens)")
     g.add_argument("--audio-tokens", type=_positive, help=f"ltx2: audio tokens (default {LTX2_AUDIO})")
     g.add_argument("--text-tokens", type=_positive, help=f"ltx2: text tokens (default {LTX2_TEXT})")
+    g.add_argument("--pixels", type=_positive,
+                   help="flux, qwenimage, sana: the image side in pixels (default the preset's: 1024, 1328, 1024); "
+                        "a small image (sana: 64, 4 tokens a sample) times the host's floor (bench/host_profile.py)")
     g.add_argument("--tiny", action="store_true", help="the preset's tiny config (a CPU smoke of the flow)")
     g.add_argument("--device", default=None, help="cuda (default), cuda:N, or cpu (graphs and compile skipped)")
     g.add_argument("--modes", nargs="+", choices=modes.MODES, default=list(modes_default),
@@ -306,7 +310,7 @@ def resolve(ap: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.N
         ap.error("name a preset: " + ", ".join(PRESETS))
     preset = PRESETS[args.preset]
     given = dict(per_token=args.per_token, pass_coords=args.pass_coords, stg=args.stg,
-                 tokens=args.video or args.audio_tokens or args.text_tokens)
+                 tokens=args.video or args.audio_tokens or args.text_tokens, pixels=args.pixels)
     for option, value in given.items():
         if value and option not in preset.options:
             flag = "--video/--audio-tokens/--text-tokens" if option == "tokens" else "--" + option.replace("_", "-")
@@ -327,6 +331,7 @@ def resolve(ap: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.N
 
 def default_tag(args) -> str:
     parts = ([f"{args.layers}l"] if args.layers else []) + [f"b{args.batch}"]
+    parts += [f"{args.pixels}px"] if getattr(args, "pixels", None) else []
     parts += [flag for flag, on in (("coords", args.pass_coords), ("stg", args.stg), ("tiny", args.tiny)) if on]
     return "-".join(parts)
 

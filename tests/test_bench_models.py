@@ -42,6 +42,7 @@ def test_eager_always_runs_first_and_modes_keep_their_order():
     (["ltx2.3", "--stg", "--per-token"], "choose one workload"),
     (["flux", "--per-token"], "--per-token does not apply to preset flux"),
     (["qwenimage", "--video", "1", "2", "3"], "--video/--audio-tokens/--text-tokens does not apply"),
+    (["ltx2", "--pixels", "64"], "--pixels does not apply to preset ltx2"),
     (["ltx2", "--rounds", "0"], "must be at least 1"),
     (["ltx2", "--layers", "x"], "not an integer"),
     (["ltx2", "--modes", "fast"], "invalid choice"),
@@ -128,6 +129,16 @@ def test_hook_presets_pass_pixels_where_make_inputs_takes_them(params, expect):
     assert config == {"full": True, "args": (3,)}
     workloads = preset.workloads(fake, model, args)
     assert list(workloads) == ["default"] and fake.calls == [dict(batch=1, **expect)]
+
+
+def test_pixels_sets_the_image_side_and_the_tag():
+    args = models.parse_args(["sana", "--pixels", "64"])
+    fake = FakeConfigs()
+    preset = models.PRESETS["sana"]
+    _, model = preset.build(fake, args)
+    (describe, _), = preset.workloads(fake, model, args).values()
+    assert fake.calls == [dict(batch=2, height=64, width=64)] and describe == "B=2, 64 x 64"
+    assert models.default_tag(args) == "b2-64px" and models.default_tag(models.parse_args(["sana"])) == "b2"
 
 
 def test_a_missing_configs_module_is_one_line(monkeypatch, capsys, tmp_path):
