@@ -67,7 +67,6 @@ The copies are valid only for the diffusers source they were taken from:
 function (`SOURCES`), and refuses otherwise unless `force=True`.
 """
 
-
 import torch
 import torch.nn.functional as F
 from diffusers.models import attention_processor as _attention_module
