@@ -410,10 +410,11 @@ def test_folded_parameters_in_both_kernels(kind, T):
 
 @interpreter
 @pytest.mark.parametrize("kind", ["diffusers", "aten", "ln"])
-def test_one_pass_kernels_rescale_rows_whose_squares_overflow(kind):
+def test_one_pass_kernels_stay_accurate_where_squares_overflow(kind):
     """Rows near the top of the range (the fuzz run's "large" draw): x * x overflows
-    fp32, as in eager; the one-pass kernels reduce a power-of-two-scaled row and stay
-    accurate against float64 (the high contract), where a plain sum of squares gives 0."""
+    fp32, as in eager; the one-pass kernels stay accurate against float64 (the high
+    contract), where a plain fp32 sum of squares gives 0: the RMSNorm kernels reduce a
+    power-of-two-scaled row, the LayerNorm kernel sums the squares in float64."""
     from bitfuse.ops._norm import layer_norm64, modulated64, rms_norm64
 
     g = torch.Generator().manual_seed(12)
@@ -427,8 +428,8 @@ def test_one_pass_kernels_rescale_rows_whose_squares_overflow(kind):
 
 @interpreter
 def test_layer_norm_high_mean_holds_a_large_offset():
-    """Rows far from zero (x = 4096 + randn, fp32): the high kernel's mean, summed in
-    float64 and split into two fp32 terms, keeps x - mean accurate to about 2**-24 of
+    """Rows far from zero (x = 4096 + randn, fp32): the high kernel's mean, from a
+    float64 sum as two fp32 terms, keeps x - mean accurate to about 2**-24 of
     the centred values, where a plain fp32 mean is off by about 2**-24 of the row's
     sum of |x| (1.8e-4 here)."""
     from bitfuse.ops._norm import layer_norm64, modulated64

@@ -380,11 +380,17 @@ def _attention_forward(
 ) -> torch.Tensor:
     """diffusers 0.42.1 `Attention.forward`, with the processor's parameter names cached
     for bitfuse's processor classes: diffusers runs `inspect.signature` on every call
-    (the same names, the same filtering and warning)."""
+    (the same names, the same filtering and warning), and not looked up at all for a
+    call without keyword arguments (nothing to filter)."""
     # The `Attention` class can call different attention processors / attention functions
     # here we simply pass along all tensors to the selected processor class
     # For standard processors that are defined here, `**cross_attention_kwargs` is empty
 
+    # bitfuse: no keyword arguments (every call Sana's blocks make): nothing to filter or warn
+    # bitfuse: about, the processor's call below as it would be made with an empty dict
+    if not cross_attention_kwargs:
+        return self.processor(self, hidden_states, encoder_hidden_states=encoder_hidden_states,
+                              attention_mask=attention_mask)
     # diffusers: attn_parameters = set(inspect.signature(self.processor.__call__).parameters.keys())
     # bitfuse: cached for the processor classes whose __call__ is a plain method (no instance override)
     attn_parameters = _install.processor_parameters(self.processor, _CACHEABLE)

@@ -39,8 +39,8 @@ def program_rows(S, R: tl.constexpr):
 def overflow_scale(x):
     """Per row of the fp32 tile x [R, BLOCK]: 1.0, or for a row whose largest |x| is
     2**48 or more (its sum of squares could overflow fp32, as eager's does) the power
-    of two that brings it to about 2**32. The one-pass kernels reduce x * s and undo
-    s exactly (powers of two), so the high tier stays accurate on such rows; on every
+    of two that brings it to about 2**32. The RMSNorm one-pass kernels reduce x * s and
+    undo s exactly (powers of two), so the high tier stays accurate on such rows; on every
     other row s = 1 and nothing changes. The kernels call it only for a tile where a
     sum of squares came out above 3e38 (an extra reduction otherwise: 89% -> 80% of
     the copy ceiling at 6144 x 4096 on the H200)."""
@@ -93,13 +93,14 @@ def dummy_stats(x):
     return d
 
 
-def high_launch_shape(block_d: int, S: int, elem_bytes: int) -> tuple[int, int]:
-    """(R, num_warps) for the one-pass kernels: 16-bit rows of 2048, 4096 or 8192
-    padded columns one row a program on 4, 8 or 4 warps (bench/NOTES.md, "Norm
-    launch shapes"); otherwise about 8 KiB of x a program, at most the S rows of a
-    sample."""
-    if elem_bytes == 2 and block_d in _HIGH_WARPS:
-        return 1, _HIGH_WARPS[block_d]
+def high_launch_shape(block_d: int, S: int, elem_bytes: int, warps: dict | None = None) -> tuple[int, int]:
+    """(R, num_warps) for the one-pass kernels: 16-bit rows of a padded width in
+    `warps` (default: 2048, 4096 or 8192 columns on 4, 8 or 4 warps, bench/NOTES.md,
+    "Norm launch shapes") one row a program on that many warps; otherwise about 8 KiB
+    of x a program, at most the S rows of a sample."""
+    warps = _HIGH_WARPS if warps is None else warps
+    if elem_bytes == 2 and block_d in warps:
+        return 1, warps[block_d]
     R = max(1, min(8192 // (block_d * elem_bytes), next_pow2(S)))
     num_warps = max(1, min(8, R * block_d * elem_bytes // 2048))
     return R, num_warps

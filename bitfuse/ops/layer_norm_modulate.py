@@ -42,11 +42,11 @@ without the divisions, count shuffles and tests (a quarter of the kernel's
 instructions; timings in bench/results/ops-*.json).
 Both kernels write their output with streaming stores, as rms_norm_modulate's do.
 
-HIGH TIER (bf16/fp16): one pass, x read once, the mean and x - mean in float64
-then the variance in fp32, from registers (two passes over the registers, no
-Welford), then n * (1 + scale) +
-shift in fp32, rounded once: within 0.5 ULP of the float64 value at the scale
-of the modulate's terms (see rms_norm_modulate).
+HIGH TIER (bf16/fp16): one pass, x read once; the row's sum and sum of squares
+in float64, in one reduction (`moments`: the mean as two fp32 terms, the variance
+without overflow), x - mean in fp32, then n * (1 + scale) + shift in fp32, rounded
+once: within 0.5 ULP of the float64 value at the scale of the modulate's terms (see
+rms_norm_modulate).
 
 Shapes: x [B, S, D] or [N, D] with a contiguous last dimension; scale, shift as
 for modulate (Folded parameters are materialised by the caller first); one
@@ -82,7 +82,6 @@ from ._norm import (
     modulate_once,
     modulated64,
     modulated_terms64,
-    overflow_scale,
     program_rows,
     rsqrt,
 )
@@ -330,18 +329,33 @@ def _layer_norm_modulate_exact_kernel(
 
 
 @jit
-def centred(x, m, D, EVEN: tl.constexpr):
-    """x - mean(x) per row of the fp32 tile x [R, BLOCK] (masked columns 0), and the
-    rows' sums of its squares: the mean summed in float64, then x - hi - lo with
-    hi + lo the float64 mean split into two fp32 values. EVEN: no masked element."""
-    mean = tl.sum(x.to(tl.float64), axis=1) / D
-    hi = mean.to(tl.float32)
-    lo = (mean - hi.to(tl.float64)).to(tl.float32)
-    if EVEN:
-        xc = (x - hi[:, None]) - lo[:, None]
-    else:
-        xc = tl.where(m, (x - hi[:, None]) - lo[:, None], 0.0)
-    return xc, tl.sum(xc * xc, axis=1)
+def _add_pairs(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@jit
+def moments(x, D, inv_d, eps):
+    """Per row of the fp32 tile x [R, BLOCK] (masked columns 0): its mean as two fp32
+    terms hi + lo, and 1 / sqrt(var + eps) in fp32, from the row's sum and sum of
+    squares in float64, in one joint reduction.
+
+    float64 holds every square of a bf16/fp16/fp32 value and D of them (no overflow,
+    no rescale), and the sums to 2**-53 of the row's sum of |x| and of x**2. The mean:
+    hi = fp32(sum * inv_d) (inv_d the fp32 1/D) is within a few 2**-24 of it; sum -
+    hi * D is exact in float64 (hi * D is exact for D <= MAX_D, and within 2**-22 of
+    the sum); lo, that remainder times inv_d in fp32, errs by about 2**-46 of the
+    mean. x - hi - lo then keeps a centred value near zero accurate where an fp32 mean
+    would be off by about 2**-24 of the row's sum of |x| (many ULPs of it where the
+    shift is zero: fuzz seed 0 case 8607, 4.75 ULP). The variance: D * sum(x**2) -
+    sum(x)**2 = D**2 var, its cancellation in float64 (relative error about 2**-53
+    mean**2 / var: at most 2**-27 for 16-bit inputs, whose spacing bounds mean / std
+    below about 2**13 when var > 0)."""
+    x64 = x.to(tl.float64)
+    s64, q64 = tl.reduce((x64, x64 * x64), 1, _add_pairs)
+    hi = (s64 * inv_d).to(tl.float32)
+    lo = (s64 - hi.to(tl.float64) * D).to(tl.float32) * inv_d
+    var = tl.maximum((q64 * D - s64 * s64) * inv_d * inv_d, 0.0)
+    return hi, lo, (1.0 / tl.sqrt(var + eps)).to(tl.float32)
 
 
 @row_kernel("S")
@@ -365,18 +379,11 @@ def _layer_norm_modulate_high_kernel(
     else:
         m = rmask[:, None] & (cols < D)[None, :]
         x = tl.load(x_ptr + x_off, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    # the mean in float64, split into two fp32 terms for x - mean: an fp32 mean is off by
-    # about 2**-24 of the row's sum of |x|, which is many ULPs of a centred value near
-    # zero where the shift is zero (fuzz seed 0 case 8607: 4.75 ULP)
-    xc, ss = centred(x, m, D, EVEN)
-    sc = tl.full(ss.shape, 1.0, tl.float32)
-    if tl.max(ss, axis=0) > 3.0e38:  # some row's squares overflowed: rescale those rows exactly
-        sc = overflow_scale(x)  # (x - mean) * rstd is invariant under the power-of-two scale
-        xc, ss = centred(x * sc[:, None], m, D, EVEN)
-    rstd = tl.math.rsqrt(ss * inv_d + eps * sc * sc)
+    hi, lo, rstd = moments(x, D, inv_d, eps)
     scale = tl.load(scale_ptr + ((b * c_sb + s * c_ss)[:, None] + cols[None, :] * c_sd), mask=m)
     shift = tl.load(shift_ptr + ((b * h_sb + s * h_ss)[:, None] + cols[None, :] * h_sd), mask=m)
-    y = modulate_once(xc * rstd[:, None], scale, shift, out_ptr.dtype.element_ty)
+    n = ((x - hi[:, None]) - lo[:, None]) * rstd[:, None]
+    y = modulate_once(n, scale, shift, out_ptr.dtype.element_ty)
     tl.store(out_ptr + ((r64 * D)[:, None] + cols[None, :]), y, mask=m, cache_modifier=".cs")
 
 
@@ -439,6 +446,11 @@ def exact_launch_shape(plan) -> tuple[int, int]:
 
 _EXACT_SHAPES = {(4096, True): (2, 8), (3072, False): (1, 4)}
 
+#: warps a 16-bit row of the high kernel takes, by padded width: 4 for 4096 columns (the
+#: float64 reduction's shuffles; H200, 6144 x 4096 per-sample: 86.8% of the copy
+#: ceiling on 4 warps, 78.8% on 8; bench/NOTES.md, 2026-12-03 tenth session)
+_HIGH_WARPS = {2048: 4, 4096: 4, 8192: 4}
+
 
 def _recipe_of(plan, config=None, stats=None) -> Recipe:
     """The launch of a guarded plan: the kernel's grid, integers, constexprs and warps."""
@@ -457,7 +469,7 @@ def _recipe_of(plan, config=None, stats=None) -> Recipe:
             num_warps,
         )
     block_d = next_pow2(r.D)
-    R, num_warps = config or high_launch_shape(block_d, r.S, plan.x.element_size())
+    R, num_warps = config or high_launch_shape(block_d, r.S, plan.x.element_size(), _HIGH_WARPS)
     return Recipe((cdiv(r.S, R), r.B), (r.S, r.D, r.sb, r.ss, *plan.c_strides, *plan.h_strides, plan.eps, 1.0 / r.D),
                   (R, block_d, block_d == r.D and r.S % R == 0), num_warps)
 
