@@ -362,6 +362,26 @@ def test_a_processor_override_is_left_alone():
     assert is_stock(model)
 
 
+def test_attention_keyword_arguments_are_filtered_and_warned_about_as_in_stock(monkeypatch):
+    """The Attention forward copy calls the processor directly only without keyword
+    arguments; with them, it filters and warns as diffusers does (the same message)."""
+    from diffusers.models import attention_processor
+
+    model = _model("1.0")
+    attn = model.transformer_blocks[0].attn1
+    x = torch.randn(2, 6, attn.to_q.in_features, generator=torch.Generator().manual_seed(4))
+    said = []
+    monkeypatch.setattr(attention_processor.logger, "warning", lambda msg, *a: said.append(msg))
+    stock = [attn(x), attn(x, ip_adapter_masks=None), attn(x, extra=1.0)]
+    with bitfuse.accelerate(model):
+        ours = [attn(x), attn(x, ip_adapter_masks=None), attn(x, extra=1.0)]
+    for a, b in zip(stock, ours):
+        assert same_bits(b, a)
+    # the same message, naming the processor in place (bitfuse's copy of the stock class)
+    assert len(said) == 2 and "['extra']" in said[0], said
+    assert said[1] == said[0].replace("SanaLinearAttnProcessor2_0", "_LinearAttnProcessor"), said
+
+
 def test_module_hooks_run_as_in_stock():
     """The copies call plain modules directly (`models._direct`) and the sites compute
     norms, convolutions and SiLUs without calling their modules; a hooked module, or
