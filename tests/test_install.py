@@ -299,7 +299,9 @@ def test_the_compile_scope_goes_inside_a_hook_wrapper_and_comes_out():
 
 
 def test_processor_parameters_are_kept_only_for_the_classes_named():
-    install = _install
+    """Cached per class for the classes named, never for another class or an instance
+    that overrides `__call__` (its own names every call)."""
+
     class Listed:
         def __call__(self, attn, hidden_states, extra=None):
             return hidden_states
@@ -307,13 +309,13 @@ def test_processor_parameters_are_kept_only_for_the_classes_named():
     class Other(Listed):
         pass
 
-    install._call_parameters.pop(Listed, None)
+    _install._call_parameters.pop(Listed, None)
     names = {"attn", "hidden_states", "extra"}
-    assert install.processor_parameters(Listed(), {Listed}) == names
-    assert install._call_parameters[Listed] == names
-    assert install.processor_parameters(Other(), {Listed}) == names and Other not in install._call_parameters
+    assert _install.processor_parameters(Listed(), {Listed}) == names
+    assert _install._call_parameters[Listed] == names
+    assert _install.processor_parameters(Other(), {Listed}) == names and Other not in _install._call_parameters
     own = Listed()
     own.__call__ = lambda attn, only=None: None  # an instance override: its own names, never cached
-    assert install.processor_parameters(own, {Listed}) == {"attn", "only"}
-    assert install._call_parameters[Listed] == names
-    install._call_parameters.pop(Listed, None)
+    assert _install.processor_parameters(own, {Listed}) == {"attn", "only"}
+    assert _install._call_parameters[Listed] == names
+    _install._call_parameters.pop(Listed, None)

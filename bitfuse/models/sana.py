@@ -60,8 +60,9 @@ all blocks (`_prepared_mask`: the same ops on the same tensor), and the output i
 divided by a `rescale_output_factor` of 1.0 (x / 1.0 is x). `Attention.forward` is
 copied with the processor's parameter names cached (diffusers runs `inspect.signature`
 on every call), and calls the processor directly when it has no keyword arguments to
-filter (every call from Sana's blocks). Everything else runs as diffusers runs it: Sana without CUDA graphs is
-host-bound (bench/NOTES.md), which is what these host-side cuts are for.
+filter (every call from Sana's blocks). Everything else runs as diffusers runs it:
+Sana without CUDA graphs is host-bound (bench/NOTES.md), which is what these
+host-side cuts are for.
 
 The copies are valid only for the diffusers source they were taken from:
 `accelerate` checks the diffusers version (0.42.x) and the sha256 of every copied
