@@ -168,14 +168,38 @@ def _block_forward(
     # diffusers: norm_hidden_states = norm_hidden_states * (1 + scale_mlp) + shift_mlp
     norm_hidden_states = sites.layer_norm_modulate_site(self, self.norm2, hidden_states, scale_mlp, shift_mlp)
 
-    norm_hidden_states = norm_hidden_states.unflatten(1, (height, width)).permute(0, 3, 1, 2)
+    # diffusers: norm_hidden_states = norm_hidden_states.unflatten(1, (height, width)).permute(0, 3, 1, 2)
+    norm_hidden_states = _tokens_as_nchw(norm_hidden_states, height, width)
     # diffusers: ff_output = self.ff(norm_hidden_states)
     ff_output = _direct.call(self.ff, norm_hidden_states)
-    ff_output = ff_output.flatten(2, 3).permute(0, 2, 1)
+    # diffusers: ff_output = ff_output.flatten(2, 3).permute(0, 2, 1)
+    ff_output = _nchw_as_tokens(ff_output)
     # diffusers: hidden_states = hidden_states + gate_mlp * ff_output
     hidden_states = sites.gated_residual_site(hidden_states, ff_output, gate_mlp)
 
     return hidden_states
+
+
+def _tokens_as_nchw(x, height, width):
+    """`x.unflatten(1, (height, width)).permute(0, 3, 1, 2)` for x [B, H*W, D]: the same
+    view in one call (`as_strided` with the strides those two views give) outside
+    tracing."""
+    if torch.compiler.is_compiling() or x.dim() != 3 or x.shape[1] != height * width:
+        return x.unflatten(1, (height, width)).permute(0, 3, 1, 2)
+    sb, sn, sd = x.stride()
+    return x.as_strided((x.shape[0], x.shape[2], height, width), (sb, sd, width * sn, sn), x.storage_offset())
+
+
+def _nchw_as_tokens(y):
+    """`y.flatten(2, 3).permute(0, 2, 1)` for y [B, C, H, W]: the same view in one call
+    where the flatten is a view (W's stride times W is H's, as in the channels-last
+    output of GLUMBConv), outside tracing; else those two calls (a flatten that copies)."""
+    if torch.compiler.is_compiling() or y.dim() != 4:
+        return y.flatten(2, 3).permute(0, 2, 1)
+    sb, sc, sh, sw = y.stride()
+    if sh != sw * y.shape[3]:
+        return y.flatten(2, 3).permute(0, 2, 1)
+    return y.as_strided((y.shape[0], y.shape[2] * y.shape[3], y.shape[1]), (sb, sw, sc), y.storage_offset())
 
 
 def _glumbconv_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
