@@ -2,8 +2,6 @@
 anything that could step into the call (hooks, a compiled call, a subclass, an
 instance forward, training-mode dropout) gets the module call."""
 
-import contextlib
-
 import pytest
 import torch
 from torch.nn.modules import module as nn_module
@@ -113,53 +111,3 @@ def test_a_tensor_subclass_reaches_the_module():
     x = torch.randn(3, 4).as_subclass(Tagged)
     out = _direct.call(module, x)
     assert type(out) is Tagged and torch.equal(out, module(x))
-
-
-def _aten_ops(fn):
-    with torch.profiler.profile() as prof:
-        out = fn()
-    return out, [e.name for e in prof.events() if e.name.startswith("aten::")]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("requires_grad", [False, True], ids=["frozen", "requires grad"])
-@pytest.mark.parametrize("layout", ["transposed", "foldable"])
-def test_a_non_contiguous_input_gets_the_matmul_aten_linear_runs(dtype, requires_grad, layout):
-    """A non-contiguous 3-D x (Sana's to_out input, a [B, C, N] tensor viewed [B, N, C])
-    gets the calls aten's linear makes for it: mm on the folded x (a copy when the
-    transposed x does not fold, as matmul copies it when the weight requires grad) or
-    bmm on expanded operands, then the bias added in place; the same operands, so the
-    same result bit for bit and the same strides."""
-    torch.manual_seed(3)
-    module = torch.nn.Linear(24, 40).to(dtype).requires_grad_(requires_grad)
-    if layout == "transposed":
-        x = torch.randn(3, 24, 17, dtype=dtype).transpose(1, 2)
-    else:  # leading dimensions merge: matmul folds without a copy
-        x = torch.randn(3, 17, 48, dtype=dtype)[..., ::2]
-    with torch.no_grad():
-        ref, stock_ops = _aten_ops(lambda: module(x))
-        out, ops = _aten_ops(lambda: _direct.call(module, x))
-    kernels = ("aten::bmm", "aten::mm", "aten::copy_", "aten::add_", "aten::linear")
-    expected = [o for o in stock_ops if o in kernels and o != "aten::linear"]
-    assert expected[-1] == "aten::add_" and ("aten::bmm" in expected) == (layout == "transposed" and not requires_grad)
-    assert [o for o in ops if o in kernels] == expected
-    assert len(ops) < len(stock_ops)
-    assert torch.equal(out, ref) and out.stride() == ref.stride() and out.dtype == ref.dtype
-
-
-@pytest.mark.parametrize("case", ["grad", "no bias", "contiguous", "autocast", "empty"])
-def test_elsewhere_f_linear_runs(case):
-    """Where aten's linear takes another path (addmm on a contiguous x), or the call
-    could differ (autograd, autocast), `F.linear` itself runs."""
-    torch.manual_seed(4)
-    module = torch.nn.Linear(24, 40, bias=case != "no bias")
-    x = torch.randn(3, 24, 0 if case == "empty" else 17).transpose(1, 2)
-    if case == "contiguous":
-        x = x.contiguous()
-    grad = torch.enable_grad() if case == "grad" else torch.no_grad()
-    auto = torch.autocast("cpu", dtype=torch.bfloat16) if case == "autocast" else contextlib.nullcontext()
-    with grad, auto:
-        ref = module(x)
-        out, ops = _aten_ops(lambda: _direct.call(module, x))
-    assert "aten::linear" in ops
-    assert torch.equal(out, ref) and out.stride() == ref.stride()
