@@ -563,3 +563,24 @@ def test_the_kernels_run_through_the_gate(monkeypatch):
     assert any(v.op == "layer_norm_modulate" for v in verdicts), [v.signature for v in verdicts]
     assert any(v.op == "conv_bias_glu" for v in verdicts), [v.signature for v in verdicts]
     assert any(v.op == "linear_attention" and v.active for v in verdicts), [v.signature for v in verdicts]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "offset", "transposed", "strided"])
+def test_the_layout_views_are_the_stock_views(layout):
+    """The block's two view pairs as one `as_strided` each: the stock views' shape,
+    strides and storage offset (no copy), for any x; a flatten that would copy (y's W
+    and H not mergeable) keeps the stock calls, and so their copy."""
+    torch.manual_seed(5)
+    x = {"contiguous": torch.randn(2, 12, 5), "offset": torch.randn(3, 12, 5)[1:],
+         "transposed": torch.randn(2, 5, 12).transpose(1, 2), "strided": torch.randn(2, 12, 10)[..., ::2]}[layout]
+    y = {"contiguous": torch.randn(2, 5, 3, 4).to(memory_format=torch.channels_last),
+         "offset": torch.randn(4, 5, 3, 4)[2:].to(memory_format=torch.channels_last),
+         "transposed": torch.randn(2, 5, 4, 3).transpose(2, 3), "strided": torch.randn(2, 5, 3, 8)[..., ::2]}[layout]
+    pairs = [(x, sana._tokens_as_nchw(x, 3, 4), x.unflatten(1, (3, 4)).permute(0, 3, 1, 2)),
+             (y, sana._nchw_as_tokens(y), y.flatten(2, 3).permute(0, 2, 1))]
+    for base, ours, stock in pairs:
+        assert ours.shape == stock.shape and ours.stride() == stock.stride()
+        assert ours.storage_offset() == stock.storage_offset() and torch.equal(ours, stock)
+        view = stock.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+        assert (ours.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()) == view
+    assert layout != "transposed" or not view  # (that y's flatten copies)
