@@ -93,20 +93,16 @@ def dummy_stats(x):
     return d
 
 
-def high_launch_shape(block_d: int, S: int, elem_bytes: int, warps: dict | None = None) -> tuple[int, int]:
-    """(R, num_warps) for the one-pass kernels: 16-bit rows of a padded width in
-    `warps` (default: 2048, 4096 or 8192 columns on 4, 8 or 4 warps, bench/NOTES.md,
-    "Norm launch shapes") one row a program on that many warps; otherwise about 8 KiB
-    of x a program, at most the S rows of a sample."""
-    warps = _HIGH_WARPS if warps is None else warps
+def high_launch_shape(block_d: int, S: int, elem_bytes: int, warps: dict) -> tuple[int, int]:
+    """(R, num_warps) for the one-pass kernels: a 16-bit row of a padded width in the
+    op's `warps` table (width -> warps, measured per op: bench/NOTES.md, "Norm launch
+    shapes") one row a program on that many warps; otherwise about 8 KiB of x a
+    program, at most the S rows of a sample."""
     if elem_bytes == 2 and block_d in warps:
         return 1, warps[block_d]
     R = max(1, min(8192 // (block_d * elem_bytes), next_pow2(S)))
     num_warps = max(1, min(8, R * block_d * elem_bytes // 2048))
     return R, num_warps
-
-
-_HIGH_WARPS = {2048: 4, 4096: 8, 8192: 4}
 
 
 # ---------------------------------------------------------------- the high tier's yardstick

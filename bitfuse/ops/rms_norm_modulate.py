@@ -431,6 +431,10 @@ def exact_launch_shape(plan) -> tuple[int, int]:
     return 1, min(plan.lanes // 32, 8)  # few rows: wide blocks
 
 
+#: warps a 16-bit row of the high kernel takes, by padded width (bench/NOTES.md, "Norm launch shapes")
+_HIGH_WARPS = {2048: 4, 4096: 8, 8192: 4}
+
+
 def _recipe_of(plan, config=None, stats=None) -> Recipe:
     """The launch of a guarded plan: the kernel's grid, integers, constexprs and warps."""
     r, ct, ht = plan.rows, plan.scale_table, plan.shift_table
@@ -447,7 +451,7 @@ def _recipe_of(plan, config=None, stats=None) -> Recipe:
             num_warps,
         )
     block_d = next_pow2(r.D)
-    R, num_warps = config or high_launch_shape(block_d, r.S, plan.x.element_size())
+    R, num_warps = config or high_launch_shape(block_d, r.S, plan.x.element_size(), _HIGH_WARPS)
     return Recipe(
         (cdiv(r.S, R), r.B),
         (r.S, r.D, r.sb, r.ss, *plan.c_strides, *plan.h_strides, *table_strides, plan.eps, 1.0 / r.D),
