@@ -45,6 +45,7 @@ WIDTHS = {  # per op family: supported widths, and some the guards refuse (the f
     "norm": (256, 1000, 1002, 2048, 3072, 4096, 5120),
     "rotary": (64, 130, 256, 2048, 4096),
     "qk": (128, 384, 2048, 4096),  # heads of 128 (FLUX, Qwen-Image) or rows of all heads (LTX-2)
+    "gemm": (64, 100, 2240, 3072),  # projections: x [B, S, D], weights [D, D]
 }
 
 
@@ -53,6 +54,8 @@ def _family(name: str) -> str:
         return "rotary"
     if name.startswith("qk"):
         return "qk"
+    if name == "projections":
+        return "gemm"
     return "norm" if "norm" in name else "pointwise"
 
 

@@ -43,6 +43,7 @@ from .ops import (
     layer_norm_modulate,
     linear_attention,
     modulate,
+    projections,
     qk_norm_rope,
     rms_norm_modulate,
     rotary,
@@ -63,6 +64,7 @@ _QK_NORM_ROPE = qk_norm_rope.SPEC
 _CONV_BIAS_SILU = conv_epilogue.SPECS["conv_bias_silu"]
 _CONV_BIAS_GLU = conv_epilogue.SPECS["conv_bias_glu"]
 _LINEAR_ATTENTION = linear_attention.SPEC
+_PROJECTIONS = projections.SPEC
 
 # ---------------------------------------------------------------- marking and mounting
 
@@ -762,6 +764,76 @@ def linear_attention_site(query, key, value, heads: int, dtype: torch.dtype):
     return policy.gated(_LINEAR_ATTENTION, "lossless", plan, args, site_key=site_key)
 
 
+# ---------------------------------------------------------------- projections
+#
+# Routed by models.sana (the attentions' q, k, v and the caption's k, v); the model
+# integration packs the weights when it installs (`pack_linears`).
+
+
+def _linear_params(linears):
+    """(weights, biases) of `linears` when each is an `nn.Linear` (the class itself) whose
+    call is its forward (`_plain_module`), else None."""
+    weights, biases = [], []
+    for m in linears:
+        if type(m) is not torch.nn.Linear or not _plain_module(m):
+            return None
+        p = m._parameters
+        weight, bias = p["weight"], p["bias"]
+        if not isinstance(weight, torch.Tensor) or not (bias is None or isinstance(bias, torch.Tensor)):
+            return None
+        weights.append(weight)
+        biases.append(bias)
+    return tuple(weights), tuple(biases)
+
+
+def _parts(params):
+    """Each parameter's shape, strides and dtype (None as None), and the first one's
+    pointer alignment: what the projections' guard reads of them beyond the pointers
+    its bound launch checks on every call."""
+    first = params[0]
+    if first is None:
+        return ("-",) * len(params) if all(p is None for p in params) else (None,)
+    return (first.data_ptr() % 256, *((p.shape, p.stride(), p.dtype) if p is not None else None for p in params))
+
+
+def linear_projections_site(x, *linears, call=None):
+    """`tuple(linear(x) for linear in linears)` for `nn.Linear` modules reading the same
+    x (an attention's q, k, v), bit-exact in every tier: one GEMM where their weights
+    lie packed (`pack_linears`), verified here at first sight against the separate
+    calls (`ops.projections`). x: [..., K]; each linear K -> N_i. Returns [..., N_i]
+    each: views of one [..., sum N_i] output, or the separate results (each
+    `call(linear, x)`: default the module call)."""
+    if not _plain() and not torch._C._get_tracing_state():
+        params = _linear_params(linears)
+        if params is not None:
+            weights, biases = params
+            args = (x, weights, biases)
+            site_key = _call_key("projections", _meta(x), x.data_ptr() % 256, weights[0].get_device(),
+                                 *_parts(weights), *_parts(biases)) if isinstance(x, torch.Tensor) else None
+            out = _bound(site_key, args)
+            if out is not None:
+                return out
+            plan = projections.plan_projections(*args)
+            if plan.__class__ is not str:
+                return policy.gated(_PROJECTIONS, "lossless", plan, args, site_key=site_key)
+    return tuple(m(x) for m in linears) if call is None else tuple(call(m, x) for m in linears)
+
+
+def pack_linears(*linears) -> bool:
+    """Pack the weights of `linears` (`nn.Linear`, one dtype, device and K) into one
+    buffer and their biases into another (`ops.projections.pack`: the same Parameters
+    and values, each one's alignment kept), so that `linear_projections_site` makes one
+    GEMM of them. True if packed. Undo with `unpack_linears`."""
+    if len(linears) < 2 or any(type(m) is not torch.nn.Linear for m in linears):
+        return False
+    return projections.pack([m.weight for m in linears], [m.bias for m in linears])
+
+
+def unpack_linears(*linears) -> None:
+    """Give each weight and bias of `linears` its own storage again where they lie packed."""
+    projections.unpack([m.weight for m in linears], [m.bias for m in linears])
+
+
 __all__ = [
     "Folded",
     "Site",
@@ -789,4 +861,7 @@ __all__ = [
     "conv_bias_silu_site",
     "conv_bias_glu_site",
     "linear_attention_site",
+    "linear_projections_site",
+    "pack_linears",
+    "unpack_linears",
 ]

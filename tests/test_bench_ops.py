@@ -78,8 +78,10 @@ def test_bitfuse_rows_check_the_kernel_and_record_the_verdict(cpu_kernels, name,
 
 def test_arguments(capsys):
     assert [s.name for s in ops.parse_args(["--ops", "modulate,rms_norm"]).specs] == ["modulate", "rms_norm"]
-    assert len(ops.parse_args([]).specs) == len(SPECS)
-    for argv, message in ((["--ops", "modulate,fused"], "unknown op(s) fused"),
+    assert [s.name for s in ops.parse_args([]).specs] == [n for n, s in SPECS.items() if s.bandwidth_bound]
+    assert "projections" in SPECS and "projections" not in ops.MEMORY_OPS  # a GEMM: no copy ceiling to measure
+    for argv, message in ((["--ops", "modulate,fused"], "unknown or not memory-bound op(s) fused"),
+                          (["--ops", "projections"], "unknown or not memory-bound op(s) projections"),
                           (["--quick", "--sweep"], "not allowed with argument")):
         with pytest.raises(SystemExit) as exc:
             ops.parse_args(argv)

@@ -584,3 +584,29 @@ def test_the_layout_views_are_the_stock_views(layout):
         view = stock.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
         assert (ours.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()) == view
     assert layout != "transposed" or not view  # (that y's flatten copies)
+
+
+def test_projection_weights_are_packed_while_accelerated():
+    """accelerate packs each self-attention's q, k, v weights and each cross-attention's
+    k, v weights and biases (`sites.linear_projections_site` makes one GEMM of them on
+    CUDA; the tiny config's 16-element biases take zero rows between parts), the same
+    Parameters and values; restore gives every one its own storage again."""
+    from bitfuse.ops import projections
+
+    model = _model("1.0")
+    kw = _inputs(model, 2, 5)
+    ref = run(model, kw)
+    params = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+    groups = [(b.attn1.to_q, b.attn1.to_k, b.attn1.to_v) for b in model.transformer_blocks] + \
+        [(b.attn2.to_k, b.attn2.to_v) for b in model.transformer_blocks]
+    with bitfuse.accelerate(model):
+        for group in groups:
+            assert projections.layout([m.weight for m in group]) is not None
+            assert group[0].bias is None or projections.layout([m.bias for m in group]) == \
+                projections.layout([m.weight for m in group])
+        assert all(p is model.get_parameter(n) and torch.equal(p, v) for n, (p, v) in params.items())
+        assert_same(run(model, kw), ref)
+    for group in groups:
+        assert projections.packed([m.weight for m in group]) is None
+    assert all(p is model.get_parameter(n) and torch.equal(p, v) for n, (p, v) in params.items())
+    assert is_stock(model)

@@ -264,6 +264,23 @@ class ClassSwap:
             self.obj.__class__ = self.stock
 
 
+class PackedLinears:
+    """The weights (and biases, where they can be) of `nn.Linear` modules that read the
+    same input, packed end to end in one buffer (`sites.pack_linears`) so that
+    `sites.linear_projections_site` makes one GEMM of them; `undo()` gives each its own
+    storage again. The same Parameters and values throughout."""
+
+    __slots__ = ("linears", "packed")
+
+    def __init__(self, linears):
+        self.linears = tuple(linears)
+        self.packed = _sites.pack_linears(*self.linears)
+
+    def undo(self) -> None:
+        if self.packed:
+            _sites.unpack_linears(*self.linears)
+
+
 # ---------------------------------------------------------------- the handle
 
 _lock = threading.RLock()  # accelerate and restore, across models and threads
@@ -379,6 +396,7 @@ def accelerate(
     forwards: Mapping[type, Callable],
     processors: Mapping[type, type] | None = None,
     sites: Callable[[torch.nn.Module], Iterable[tuple[str, torch.nn.Module, tuple]]],
+    projections: Callable[[torch.nn.Module], Iterable[tuple]] | None = None,
 ) -> Handle:
     """Install a model integration on `model`, all or nothing; returns its handle.
 
@@ -394,6 +412,10 @@ def accelerate(
         (norms: what a one-pass kernel of the tier must handle); each must run a
         forward from `forwards`, else UnsupportedModelError (its own forward would
         bypass the sites).
+    projections: `projections(model)` -> tuples of `nn.Linear` modules that the
+        copies pass to `sites.linear_projections_site` together: their weights are
+        packed into one buffer each (`PackedLinears`; where they can be) and unpacked
+        on restore.
 
     Called again on an accelerated model: the same quality returns the existing
     handle, another raises AlreadyAcceleratedError. On any error everything
@@ -435,6 +457,8 @@ def accelerate(
                 if type(processor) in processors and id(processor) not in swapped:
                     handle._installs.append(ClassSwap(processor, processors[type(processor)]))
                     swapped.add(id(processor))
+            for linears in (projections(model) if projections is not None else ()):
+                handle._installs.append(PackedLinears(linears))
             for name, module, norms in marks:
                 _sites.mark_site(module, name, norms=norms)
                 handle._marked.append(module)

@@ -57,7 +57,11 @@ them, on the very operands eager's `torch.matmul` builds, the elementwise work a
 them in two kernels). `SanaAttnProcessor2_0` (the cross-attention) is copied with two
 host-side changes that keep every bit: the caption mask is prepared once a forward for
 all blocks (`_prepared_mask`: the same ops on the same tensor), and the output is not
-divided by a `rescale_output_factor` of 1.0 (x / 1.0 is x). `Attention.forward` is
+divided by a `rescale_output_factor` of 1.0 (x / 1.0 is x). Both processors
+make their projections of one input as one GEMM (`sites.linear_projections_site`: the
+self-attention's q, k, v; the caption's k, v), the weights packed end to end when
+`accelerate` installs (the same Parameters and values; unpacked on restore), each
+problem verified at first sight against the separate calls. `Attention.forward` is
 copied with the processor's parameter names cached (diffusers runs `inspect.signature`
 on every call), and calls the processor directly when it has no keyword arguments to
 filter (every call from Sana's blocks). Everything else runs as diffusers runs it:
@@ -258,11 +262,16 @@ class _LinearAttnProcessor(SanaLinearAttnProcessor2_0):
             encoder_hidden_states = hidden_states
 
         # diffusers: query = attn.to_q(hidden_states)
-        query = _direct.call(attn.to_q, hidden_states)
         # diffusers: key = attn.to_k(encoder_hidden_states)
-        key = _direct.call(attn.to_k, encoder_hidden_states)
         # diffusers: value = attn.to_v(encoder_hidden_states)
-        value = _direct.call(attn.to_v, encoder_hidden_states)
+        # bitfuse: the three as one GEMM where they read the same tokens (weights packed at install)
+        if encoder_hidden_states is hidden_states:
+            query, key, value = sites.linear_projections_site(hidden_states, attn.to_q, attn.to_k, attn.to_v,
+                                                              call=_direct.call)
+        else:
+            query = _direct.call(attn.to_q, hidden_states)
+            key, value = sites.linear_projections_site(encoder_hidden_states, attn.to_k, attn.to_v,
+                                                       call=_direct.call)
 
         if attn.norm_q is not None:
             query = attn.norm_q(query)
@@ -323,9 +332,9 @@ class _CrossAttnProcessor(SanaAttnProcessor2_0):
             encoder_hidden_states = hidden_states
 
         # diffusers: key = attn.to_k(encoder_hidden_states)
-        key = _direct.call(attn.to_k, encoder_hidden_states)
         # diffusers: value = attn.to_v(encoder_hidden_states)
-        value = _direct.call(attn.to_v, encoder_hidden_states)
+        # bitfuse: the two as one GEMM (weights packed at install)
+        key, value = sites.linear_projections_site(encoder_hidden_states, attn.to_k, attn.to_v, call=_direct.call)
 
         if attn.norm_q is not None:
             query = attn.norm_q(query)
@@ -468,6 +477,20 @@ SOURCES = _install.CopiedSources(
 # ---------------------------------------------------------------- accelerate
 
 
+def _projections(model) -> list:
+    """The linears each attention copy hands `sites.linear_projections_site` together:
+    the self-attention's q, k, v (one input) and the cross-attention's k, v (the caption)."""
+    groups = []
+    for block in model.transformer_blocks:
+        attn = block.attn1
+        if isinstance(attn, Attention) and type(attn.processor) is _LinearAttnProcessor:
+            groups.append((attn.to_q, attn.to_k, attn.to_v))
+        attn = getattr(block, "attn2", None)
+        if isinstance(attn, Attention) and type(attn.processor) is _CrossAttnProcessor:
+            groups.append((attn.to_k, attn.to_v))
+    return groups
+
+
 def _sites(model) -> list:
     blocks = [(f"transformer_blocks.{i}", b, (b.norm1, b.norm2)) for i, b in enumerate(model.transformer_blocks)]
     return blocks + [("norm_out", model.norm_out, (model.norm_out.norm,))]
@@ -490,6 +513,7 @@ def accelerate(model, *, quality: str = "lossless", force: bool = False) -> _ins
         forwards=FORWARDS,
         processors=_PROCESSORS,
         sites=_sites,
+        projections=_projections,
     )
     handle.on_restore(_masks.clear)  # the prepared caption mask, and the tensors it holds
     return handle

@@ -16,6 +16,7 @@ from . import (
     layer_norm_modulate,
     linear_attention,
     modulate,
+    projections,
     qk_norm_rope,
     rms_norm_modulate,
     rotary,
@@ -38,8 +39,10 @@ SPECS: dict[str, OpSpec] = {
         qk_norm_rope.SPEC,
         *conv_epilogue.SPECS.values(),
         linear_attention.SPEC,
+        projections.SPEC,
     )
 }
 
 __all__ = ["SPECS", "TIERS", "OpSpec", "modulate", "gated_residual", "head_gate", "rms_norm_modulate", "layer_norm_modulate",
-           "rotary", "qk_norm_rope", "conv_epilogue", "linear_attention"]
+           "rotary", "qk_norm_rope", "conv_epilogue", "linear_attention",
+           "projections"]

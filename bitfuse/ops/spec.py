@@ -43,6 +43,8 @@ class OpSpec:
         fixed: a function of the op's arguments (`reference`'s) for any call whose
         guard would plan the same (the site keys it by shapes, strides, dtypes,
         devices), returning the result, or None where this call needs the planner.
+    bandwidth_bound: the op moves memory (its yardstick is the copy ceiling,
+        `bench/ops.py`); False for an op around a GEMM (`projections`).
     """
 
     name: str
@@ -55,6 +57,7 @@ class OpSpec:
     make_args: Callable[..., tuple] | None = None
     layouts: tuple[str, ...] = ()
     bind: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
+    bandwidth_bound: bool = True
 
     def kernel_tier(self, tier: str) -> str:
         """The kernel a requested tier runs: its own, or the lossless one."""

@@ -295,7 +295,8 @@ def _check_lossless(model, calls):
     bad = [v for v in policy.verdicts() if not v.active]
     assert not bad, "; ".join(f"{v.signature}: {v.status} {v.detail}" for v in bad)
     ops = {v.op for v in policy.verdicts()}
-    assert ops >= {"layer_norm_modulate", "gated_residual", "conv_bias_silu", "conv_bias_glu", "linear_attention"}, \
+    assert ops >= {"layer_norm_modulate", "gated_residual", "conv_bias_silu", "conv_bias_glu", "linear_attention",
+                   "projections"}, \
         _verdicts()
     for kw, ref in zip(calls, refs):
         assert same_bits(_run(model, kw)[0], ref)  # restored
