@@ -184,3 +184,33 @@ def test_make_args_builds_every_layout():
                 assert P.layout(biases) == P.layout(weights)
     with pytest.raises(ValueError, match="unknown projections layout"):
         P.SPEC.make_args(cases.Case(1, 1, 64, torch.float32, "nope", "randn", 0, "cpu"))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_site_through_the_gate(monkeypatch, bias):
+    """With the planner taking CPU tensors (the switch the interpreter tests use), the
+    site's whole path runs here on exact operands: first sight verified against the
+    separate calls (eager's results go on), then the bound launch (views of one output);
+    after the weights move (unpacked), the separate calls again, with no new verdict."""
+    from bitfuse.ops import _params
+
+    monkeypatch.setattr(_params, "INTERPRET_ON_CPU", True)
+    policy.reset_verdicts()
+    mods = _linears(k=64, out=40, bias=bias)  # bias: gaps between the parts
+    assert sites.pack_linears(*mods)
+    x = torch.randint(-3, 4, (2, 5, 64)).float()
+    with torch.no_grad():
+        ref = tuple(m(x) for m in mods)
+        first = sites.linear_projections_site(x, *mods)
+        assert [v.status for v in policy.verdicts()] == ["verified"]
+        assert all(o.is_contiguous() for o in first)  # eager's own results, on first sight
+        steady = sites.linear_projections_site(x, *mods)
+        rows = P.layout([m.weight for m in mods])[1]
+        assert all(o.stride() == (5 * rows, rows, 1) for o in steady)
+        for m in mods:
+            m.weight.data = m.weight.data.clone()
+        moved = sites.linear_projections_site(x, *mods)
+        for outs in (first, steady, moved):
+            assert all(torch.equal(o, r) for o, r in zip(outs, ref))
+        assert all(o.is_contiguous() for o in moved) and len(policy.verdicts()) == 1
+    policy.reset_verdicts()

@@ -49,7 +49,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import cases
+from . import _params, cases
 from .spec import OpSpec
 
 ALIGN = 256  # bytes: the largest alignment aten hands cuBLASLt (and what an allocation of its own gets)
@@ -132,6 +132,16 @@ def _granule(K: int, elem: int, bias: bool) -> int:
     return rows
 
 
+def _aligned_zeros(shape, dtype, device) -> torch.Tensor:
+    """Zeros of `shape` starting 256-byte aligned (a CUDA allocation is; a CPU one may
+    not be: the interpreter tests)."""
+    n = math.prod(shape)
+    elem = torch.empty((), dtype=dtype).element_size()
+    flat = torch.zeros(n + ALIGN // elem, dtype=dtype, device=device)
+    start = (-flat.data_ptr() % ALIGN) // elem
+    return flat[start:start + n].view(shape)
+
+
 def pack(weights, biases) -> bool:
     """Move the weights [N_i, K] (Parameters) into one buffer, each part starting 256
     bytes aligned (zero rows between parts where N_i * K is not a multiple: a
@@ -156,7 +166,7 @@ def pack(weights, biases) -> bool:
         for group, shape in ((weights, (rows, K)), (biases if has_bias else (), (rows,))):
             if not group:
                 continue
-            buffer = torch.zeros(shape, dtype=group[0].dtype, device=group[0].device)
+            buffer = _aligned_zeros(shape, group[0].dtype, group[0].device)
             for p, off in zip(group, offsets):
                 buffer[off:off + p.shape[0]].copy_(p.data)
             for p, off in zip(group, offsets):
@@ -187,7 +197,7 @@ def plan_projections(x, weights, biases, tier: str = "lossless"):
     separate calls."""
     if not isinstance(x, torch.Tensor) or len(weights) < 2 or len(biases) != len(weights):
         return "x must be a tensor, with two or more weights and a bias (or None) each"
-    if not x.is_cuda:
+    if not x.is_cuda and not _params.INTERPRET_ON_CPU:
         return "CPU tensor (the packed GEMM is taken on CUDA devices)"
     if not all(isinstance(w, torch.Tensor) and w.dim() == 2 for w in weights):
         return "weights must be 2-D tensors"
@@ -305,6 +315,7 @@ def _make_args(case: cases.Case) -> tuple:
     D = case.D
     n = 2 if case.layout == "kv-bias" else 3
     x = cases.activation(case, gen)
+    x = _aligned_zeros(x.shape, x.dtype, x.device).copy_(x) if x.is_contiguous() else x
 
     def param(shape, scale):
         return torch.nn.Parameter(cases.draw(shape, case.dtype, "randn", gen, case.device, scale), requires_grad=False)
