@@ -214,3 +214,20 @@ def test_the_site_through_the_gate(monkeypatch, bias):
             assert all(torch.equal(o, r) for o, r in zip(outs, ref))
         assert all(o.is_contiguous() for o in moved) and len(policy.verdicts()) == 1
     policy.reset_verdicts()
+
+
+def test_a_verdict_is_per_layout_of_x(monkeypatch):
+    """aten's linear flattens a contiguous x into one GEMM with the bias in its epilogue,
+    and runs an x it cannot flatten through matmul with the bias added after: another
+    computation, so a verdict for one layout must not serve the other (the fuzz found
+    an fp32 case, rows padded, where the two differ after the contiguous one verified)."""
+    from bitfuse.ops import _params
+
+    monkeypatch.setattr(_params, "INTERPRET_ON_CPU", True)
+    mods = _linears()
+    sites.pack_linears(*mods)
+    w, b = tuple(m.weight for m in mods), tuple(m.bias for m in mods)
+    dense = P._aligned_zeros((2, 5, 64), torch.float32, "cpu")
+    padded = P._aligned_zeros((2, 5, 128), torch.float32, "cpu")[..., :64]
+    with torch.no_grad():
+        assert P.plan_projections(dense, w, b).key != P.plan_projections(padded, w, b).key

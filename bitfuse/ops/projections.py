@@ -222,9 +222,12 @@ def plan_projections(x, weights, biases, tier: str = "lossless"):
     weight = _span(weights[0], where[1])
     sizes, offsets = tuple(w.shape[0] for w in weights), where[0]
     M = x.numel() // x.shape[-1]
+    # x's strides too: aten's linear takes another path for an x it cannot flatten (matmul, then the
+    # bias added on its own), which one fuzz case (fp32, rows padded) found to differ where the
+    # contiguous x of the same shape had been verified
     key = (x.dtype, x.get_device(), f"M={M} K={x.shape[-1]} N={sizes} rows={offsets}+{where[1]}",
            "no bias" if bias is None else f"bias aligned {_alignment(bias)}",
-           f"x aligned {_alignment(x)}", f"weight aligned {_alignment(weight)}")
+           f"x {tuple(x.shape)} strides {x.stride()} aligned {_alignment(x)}", f"weight aligned {_alignment(weight)}")
     return ProjectionsPlan(x, weight, bias, sizes, offsets, key)
 
 
