@@ -801,8 +801,8 @@ def linear_projections_site(x, *linears, call=None):
     x (an attention's q, k, v), bit-exact in every tier: one GEMM where their weights
     lie packed (`pack_linears`), verified here at first sight against the separate
     calls (`ops.projections`). x: [..., K]; each linear K -> N_i. Returns [..., N_i]
-    each: views of one [..., sum N_i] output, or the separate results (each
-    `call(linear, x)`: default the module call)."""
+    each: views of one [..., R] output (R: the rows the packed parts span), or the
+    separate results (each `call(linear, x)`: default the module call)."""
     if not _plain() and not torch._C._get_tracing_state():
         params = _linear_params(linears)
         if params is not None:

@@ -15,9 +15,10 @@ the same order whichever N the GEMM has, unless cuBLAS picks an algorithm that s
 K (split-K, stream-K) for one problem and not the other; the bias is added to the
 fp32 accumulator and rounded once either way. That holds for the shapes measured
 (Sana, FLUX, Wan, LTX-2, bf16 on the H200: every output bitwise equal) and is not
-promised for any other, so the gate verifies each problem (M, K, the widths, dtype,
-device, x's alignment) at first sight against the separate calls, as for every
-kernel, and a mismatch keeps the separate calls for good.
+promised for any other, so the gate verifies each problem (dtype, device, M, K, the
+parts' rows and offsets, x's shape, strides and alignment, the weight's and the
+bias's alignment) at first sight against the separate calls, as for every kernel, and
+a mismatch keeps the separate calls for good.
 
 The packed weight. `pack(weights, biases)` moves the weights into one buffer, each
 weight's `.data` a view of its rows, and the biases into another at the same rows
@@ -39,7 +40,7 @@ dtype (x's) and device; biases all None or [N_i] each. Returns a tuple of [..., 
 views of one [..., R] output (R: the rows the packed parts span), where the separate
 calls return contiguous tensors: consumers that read strides (the Sana kernels, SDPA) are
 checked on them (tests/gpu). Exact in every tier; CUDA only (a CPU GEMM's blocking
-follows N).
+follows N), but for the interpreter tests' switch (`_params.INTERPRET_ON_CPU`).
 """
 
 from __future__ import annotations
