@@ -265,10 +265,10 @@ class ClassSwap:
 
 
 class PackedLinears:
-    """The weights (and biases, where they can be) of `nn.Linear` modules that read the
-    same input, packed end to end in one buffer (`sites.pack_linears`) so that
-    `sites.linear_projections_site` makes one GEMM of them; `undo()` gives each its own
-    storage again. The same Parameters and values throughout."""
+    """The weights of `nn.Linear` modules that read the same input packed into one
+    buffer, their biases into another (`sites.pack_linears`; not at all where it
+    refuses), so that `sites.linear_projections_site` makes one GEMM of them; `undo()`
+    gives each its own storage again. The same Parameters and values throughout."""
 
     __slots__ = ("linears", "packed")
 
@@ -413,9 +413,9 @@ def accelerate(
         forward from `forwards`, else UnsupportedModelError (its own forward would
         bypass the sites).
     projections: `projections(model)` -> tuples of `nn.Linear` modules that the
-        copies pass to `sites.linear_projections_site` together: their weights are
-        packed into one buffer each (`PackedLinears`; where they can be) and unpacked
-        on restore.
+        copies pass to `sites.linear_projections_site` together: each group's weights
+        and biases are packed (`PackedLinears`, where they can be) and unpacked on
+        restore.
 
     Called again on an accelerated model: the same quality returns the existing
     handle, another raises AlreadyAcceleratedError. On any error everything

@@ -1,7 +1,8 @@
 """Kernels: one file per op holding its Triton kernel, planner (the guard),
 launcher, registered custom op, eager reference and its `OpSpec`; shared
 kernel code in `_launch` (launch core), `_params` (rows and parameters) and
-`_norm` (the norm kernels' base). Functions here are guarded but ungated: the
+`_norm` (the norm kernels' base); `projections` has no kernel of its own (aten's
+GEMM on packed weights). Functions here are guarded but ungated: the
 kernel where the guard allows it, else the eager reference (the sites add the
 first-sight gate and the tiers).
 
@@ -44,5 +45,4 @@ SPECS: dict[str, OpSpec] = {
 }
 
 __all__ = ["SPECS", "TIERS", "OpSpec", "modulate", "gated_residual", "head_gate", "rms_norm_modulate", "layer_norm_modulate",
-           "rotary", "qk_norm_rope", "conv_epilogue", "linear_attention",
-           "projections"]
+           "rotary", "qk_norm_rope", "conv_epilogue", "linear_attention", "projections"]
