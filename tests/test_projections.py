@@ -231,3 +231,21 @@ def test_a_verdict_is_per_layout_of_x(monkeypatch):
     padded = P._aligned_zeros((2, 5, 128), torch.float32, "cpu")[..., :64]
     with torch.no_grad():
         assert P.plan_projections(dense, w, b).key != P.plan_projections(padded, w, b).key
+
+
+def test_tensor_subclasses_are_left_alone(monkeypatch):
+    """A subclass's storage need not be one buffer of its values (DTensor, quantised
+    weights): neither packed nor planned; the site makes the separate calls."""
+    from bitfuse.ops import _params
+
+    class Sub(torch.Tensor):
+        pass
+
+    monkeypatch.setattr(_params, "INTERPRET_ON_CPU", True)
+    ws = [torch.zeros(64, 64).as_subclass(Sub) for _ in range(3)]
+    assert "subclass" in P.packable(ws, [None] * 3)
+    mods = _linears()
+    sites.pack_linears(*mods)
+    w = tuple(m.weight for m in mods)
+    with torch.no_grad():
+        assert "subclass" in P.plan_projections(torch.zeros(2, 64).as_subclass(Sub), w, (None,) * 3)

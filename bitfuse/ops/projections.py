@@ -33,7 +33,9 @@ too (Sana's caption k, v: 64 of 4,544) and drops them. Every parameter keeps the
 alignment it had, so the stock calls keep their bits. `unpack` gives each parameter
 its own storage again. The planner reads the packing from the pointers on every call
 (`layout`): moving the model (`.to()` copies each parameter on its own) or replacing a
-parameter unpacks it, and the calls are then the separate ones.
+parameter unpacks it, and the calls are then the separate ones. (As after `.to()`, a
+tensor taken from a weight's `.data` before packing no longer aliases the weight.)
+Tensor subclasses (DTensor, quantised weights) are neither packed nor planned.
 
 Shapes: x [..., K] (any leading dims, the last contiguous); weights [N_i, K], one
 dtype (x's) and device; biases all None or [N_i] each. Returns a tuple of [..., N_i]
@@ -54,6 +56,7 @@ from . import _params, cases
 from .spec import OpSpec
 
 ALIGN = 256  # bytes: the largest alignment aten hands cuBLASLt (and what an allocation of its own gets)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # the classes whose pointers the packing reads
 
 
 class ProjectionsPlan:
@@ -114,6 +117,8 @@ def packable(weights, biases) -> str | None:
     first = weights[0]
     if not all(isinstance(w, torch.Tensor) and w.dim() == 2 for w in weights):
         return "weights must be 2-D tensors"
+    if any(type(p) not in _PLAIN for p in (*weights, *biases) if p is not None):
+        return "a tensor subclass (DTensor, a quantised weight): its storage is not one buffer of its values"
     if any(w.shape[1] != first.shape[1] or w.dtype != first.dtype or w.device != first.device or w.is_meta
            for w in weights):
         return "weights of different widths, dtypes or devices (or meta)"
@@ -202,6 +207,8 @@ def plan_projections(x, weights, biases, tier: str = "lossless"):
         return "CPU tensor (the packed GEMM is taken on CUDA devices)"
     if not all(isinstance(w, torch.Tensor) and w.dim() == 2 for w in weights):
         return "weights must be 2-D tensors"
+    if type(x) not in _PLAIN or any(type(p) not in _PLAIN for p in (*weights, *biases) if p is not None):
+        return "a tensor subclass: the separate calls"
     if x.dim() < 2 or x.shape[-1] != weights[0].shape[1] or x.stride(-1) != 1 or x.numel() == 0:
         return "x must be [..., K], the last dimension contiguous, not empty"
     if x.dtype != weights[0].dtype or x.device != weights[0].device:
