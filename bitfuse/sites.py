@@ -829,6 +829,20 @@ def pack_linears(*linears) -> bool:
     return projections.pack([m.weight for m in linears], [m.bias for m in linears])
 
 
+def linears_packed(*linears) -> bool:
+    """Whether the weights (and biases) of `linears` lie packed, so that
+    `linear_projections_site` can make one GEMM of them (its gate aside)."""
+    params = _linear_params(linears)
+    if params is None or len(linears) < 2:
+        return False
+    weights, biases = params
+    where = projections.layout(weights)
+    if where is None:
+        return False
+    return biases[0] is None and all(b is None for b in biases) or \
+        all(b is not None for b in biases) and projections.layout(biases) == where
+
+
 def unpack_linears(*linears) -> None:
     """Give each weight and bias of `linears` its own storage again where they lie packed."""
     projections.unpack([m.weight for m in linears], [m.bias for m in linears])
@@ -863,5 +877,6 @@ __all__ = [
     "linear_attention_site",
     "linear_projections_site",
     "pack_linears",
+    "linears_packed",
     "unpack_linears",
 ]

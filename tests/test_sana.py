@@ -610,3 +610,81 @@ def test_projection_weights_are_packed_while_accelerated():
         assert projections.packed([m.weight for m in group]) is None
     assert all(p is model.get_parameter(n) and torch.equal(p, v) for n, (p, v) in params.items())
     assert is_stock(model)
+
+
+def _counting_projections(monkeypatch):
+    """Record the number of linears of every `sites.linear_projections_site` call."""
+    calls = []
+    real = sites.linear_projections_site
+
+    def counting(x, *linears, **kw):
+        calls.append(len(linears))
+        return real(x, *linears, **kw)
+
+    monkeypatch.setattr(sites, "linear_projections_site", counting)
+    return calls
+
+
+@pytest.mark.parametrize("interpreted", [False, True], ids=["cpu-fallback", "fused-path"])
+def test_the_caption_is_projected_once_a_forward(monkeypatch, interpreted):
+    """Every block projects the same caption: the first block of a forward makes every
+    block's k and v (one site call of 2 x layers linears; with the planner taking CPU
+    tensors, one GEMM through the gate) and the later blocks take theirs from the
+    forward's memo; the output is stock's, and the next forward computes them afresh."""
+    from bitfuse.ops import _params
+
+    policy.reset_verdicts()
+    model = _model("1.0", num_layers=3)
+    kw = _inputs(model, 2, 5)
+    ref = run(model, kw)
+    if interpreted:
+        monkeypatch.setattr(_params, "INTERPRET_ON_CPU", True)
+    calls = _counting_projections(monkeypatch)
+    with bitfuse.accelerate(model), warnings.catch_warnings():
+        warnings.simplefilter("ignore", policy.FallbackWarning)  # (a CPU GEMM may not be the separate ones' bits)
+        for _ in range(2):
+            calls.clear()
+            assert_same(run(model, kw), ref)
+            assert sorted(calls) == [3, 3, 3, 6]
+    six = [v for v in policy.verdicts() if v.op == "projections" and "N=(16, 16, 16, 16, 16, 16)" in v.signature]
+    assert bool(six) == interpreted, [v.signature for v in policy.verdicts()]  # (one per x alignment on a CPU)
+    assert not sana._captions
+
+
+def test_unpacked_caption_linears_are_projected_block_by_block(monkeypatch):
+    """After `.to()` (each parameter copied on its own: nothing packed) every block makes
+    its own two projections, as it would with any other caption per block."""
+    model = _model("1.0", num_layers=3)
+    kw = _inputs(model, 2, 5)
+    ref = run(model, kw)
+    calls = _counting_projections(monkeypatch)
+    with bitfuse.accelerate(model):
+        model.to(torch.float64).to(torch.float32)
+        assert_same(run(model, kw), ref)
+        assert sorted(calls) == [2, 2, 2, 3, 3, 3]
+
+
+def test_the_caption_memo_keeps_to_its_tensor():
+    """Inside one forward's memo: a block given another caption than the first block's
+    (another tensor, or the same one modified since) gets its own two projections, and
+    from that second miss on the memo stops for the forward; each result is the module
+    calls' bits."""
+    from bitfuse.models import _install
+
+    model = _model("1.0", num_layers=3)
+    attns = [b.attn2 for b in model.transformer_blocks]
+    torch.manual_seed(3)
+    c1, c2 = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+    with bitfuse.accelerate(model), torch.no_grad():
+        scoped = _install.scoped_forward(lambda self, fn: fn())
+        expected = {id(a): (a.to_k(c), a.to_v(c)) for a, c in zip(attns, (c1, c2, c1))}
+
+        def forward():
+            memo = _install.forward_memo()
+            outs = [sana._caption_projections(a, c) for a, c in zip(attns, (c1, c2, c1))]
+            return memo, outs
+
+        memo, outs = scoped(None, forward)
+        assert list(memo.values()) == [False] and _install.forward_memo() is None
+        for a, (k, v) in zip(attns, outs):
+            assert same_bits(k, expected[id(a)][0]) and same_bits(v, expected[id(a)][1])

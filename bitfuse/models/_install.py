@@ -24,6 +24,7 @@ Nothing here is specific to a model.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import hashlib
@@ -232,17 +233,32 @@ class ForwardSwap:
 _UNSET = object()
 
 
+_memo: contextvars.ContextVar[dict | None] = contextvars.ContextVar("bitfuse_forward_memo", default=None)
+
+
+def forward_memo() -> dict | None:
+    """A dict that lives for one call of an accelerated model's forward (the outermost
+    one running here: a nested forward gets its own), or None outside one and under
+    torch.compile tracing. For values every block of a forward would compute alike from
+    the same tensor (Sana's caption projections); nothing in it outlives the call."""
+    return _memo.get()
+
+
 def scoped_forward(func: Callable) -> Callable:
     """`func` (a forward) run inside `policy.background_compiles()`, so a model's
-    first call compiles its kernels in parallel while eager computes it; as is
-    under torch.compile tracing."""
+    first call compiles its kernels in parallel while eager computes it, and with a
+    fresh `forward_memo()`; as is under torch.compile tracing."""
 
     @functools.wraps(func)
     def forward(self, *args, **kwargs):
         if torch.compiler.is_compiling():
             return func(self, *args, **kwargs)
-        with policy.background_compiles():
-            return func(self, *args, **kwargs)
+        token = _memo.set({})
+        try:
+            with policy.background_compiles():
+                return func(self, *args, **kwargs)
+        finally:
+            _memo.reset(token)
 
     return forward
 

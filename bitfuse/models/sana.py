@@ -61,7 +61,11 @@ divided by a `rescale_output_factor` of 1.0 (x / 1.0 is x). Both processors
 make their projections of one input as one GEMM (`sites.linear_projections_site`: the
 self-attention's q, k, v; the caption's k, v), the weights packed end to end when
 `accelerate` installs (the same Parameters and values; unpacked on restore), each
-problem verified at first sight against the separate calls. `Attention.forward` is
+problem verified at first sight against the separate calls. Every block projects the
+same caption tensor, so the caption's k and v of all blocks are one packed group: the
+first block of a forward makes them in one GEMM and the later blocks take theirs from
+the forward's memo (`_caption_projections`, `_install.forward_memo`: nothing is kept
+past the forward). `Attention.forward` is
 copied with the processor's parameter names cached (diffusers runs `inspect.signature`
 on every call), and calls the processor directly when it has no keyword arguments to
 filter (every call from Sana's blocks). Everything else runs as diffusers runs it:
@@ -72,6 +76,8 @@ The copies are valid only for the diffusers source they were taken from:
 `accelerate` checks the diffusers version (0.42.x) and the sha256 of every copied
 function (`SOURCES`), and refuses otherwise unless `force=True`.
 """
+
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -333,8 +339,9 @@ class _CrossAttnProcessor(SanaAttnProcessor2_0):
 
         # diffusers: key = attn.to_k(encoder_hidden_states)
         # diffusers: value = attn.to_v(encoder_hidden_states)
-        # bitfuse: the two as one GEMM (weights packed at install)
-        key, value = sites.linear_projections_site(encoder_hidden_states, attn.to_k, attn.to_v, call=_direct.call)
+        # bitfuse: every block's caption k and v as one GEMM, at the first block of a forward (weights packed
+        # bitfuse: at install), else this block's two as one
+        key, value = _caption_projections(attn, encoder_hidden_states)
 
         if attn.norm_q is not None:
             query = attn.norm_q(query)
@@ -374,6 +381,48 @@ class _CrossAttnProcessor(SanaAttnProcessor2_0):
             hidden_states = hidden_states / attn.rescale_output_factor
 
         return hidden_states
+
+
+#: a cross-attention (`attn2`) -> (every block's caption linears: to_k, to_v, block by block; its to_k's index)
+_captions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _caption_projections(attn, encoder_hidden_states):
+    """`(attn.to_k(c), attn.to_v(c))` for the caption c. Every block of a forward projects
+    the same caption tensor, so where the model's caption linears lie packed (one group
+    at install: `_caption_linears`) the first block makes all of them in one GEMM
+    (`sites.linear_projections_site`, verified against the separate calls) and the
+    forward's memo (`_install.forward_memo`) hands each later block its two: the same
+    values, computed earlier. Kept for the caption tensor it was made from (`is`, not
+    modified since: its version); a second miss in one forward (blocks given other
+    captions) stops it for that forward. Elsewhere (not packed, as after `.to()`; no
+    accelerated forward around the call; tracing) this block's two as one GEMM."""
+    entry = memo = None
+    if not torch.compiler.is_compiling():  # (traced: the plain calls, as the site makes them there)
+        entry, memo = _captions.get(attn), _install.forward_memo()
+    if entry is not None and memo is not None:
+        linears, i = entry
+        if linears[i] is attn.to_k and linears[i + 1] is attn.to_v:
+            key = ("sana caption projections", id(linears))
+            hit = memo.get(key)
+            c = encoder_hidden_states
+            if hit is None or (hit is not False and (hit[0] is not c or hit[1] != c._version)):
+                if hit is None and sites.linears_packed(*linears):
+                    memo[key] = hit = (c, c._version, sites.linear_projections_site(c, *linears, call=_direct.call))
+                else:
+                    memo[key] = hit = False
+            if hit is not False:
+                return hit[2][i], hit[2][i + 1]
+    return sites.linear_projections_site(encoder_hidden_states, attn.to_k, attn.to_v, call=_direct.call)
+
+
+def _caption_linears(model):
+    """Every block's cross-attention to_k and to_v, block by block, where every block has
+    a cross-attention running our processor; else None."""
+    attns = [getattr(block, "attn2", None) for block in model.transformer_blocks]
+    if not attns or any(not isinstance(a, Attention) or type(a.processor) is not _CrossAttnProcessor for a in attns):
+        return None
+    return tuple(m for a in attns for m in (a.to_k, a.to_v))
 
 
 _masks: dict = {}  # (heads, target length, batch size) -> (the mask, its version, the prepared mask)
@@ -478,17 +527,13 @@ SOURCES = _install.CopiedSources(
 
 
 def _projections(model) -> list:
-    """The linears each attention copy hands `sites.linear_projections_site` together:
-    the self-attention's q, k, v (one input) and the cross-attention's k, v (the caption)."""
-    groups = []
-    for block in model.transformer_blocks:
-        attn = block.attn1
-        if isinstance(attn, Attention) and type(attn.processor) is _LinearAttnProcessor:
-            groups.append((attn.to_q, attn.to_k, attn.to_v))
-        attn = getattr(block, "attn2", None)
-        if isinstance(attn, Attention) and type(attn.processor) is _CrossAttnProcessor:
-            groups.append((attn.to_k, attn.to_v))
-    return groups
+    """The linears the attention copies hand `sites.linear_projections_site` together:
+    each self-attention's q, k, v (one input), and every block's caption k, v (the same
+    caption tensor in every block: `_caption_projections`)."""
+    groups = [(b.attn1.to_q, b.attn1.to_k, b.attn1.to_v) for b in model.transformer_blocks
+              if isinstance(b.attn1, Attention) and type(b.attn1.processor) is _LinearAttnProcessor]
+    caption = _caption_linears(model)
+    return groups + ([caption] if caption else [])
 
 
 def _sites(model) -> list:
@@ -516,4 +561,15 @@ def accelerate(model, *, quality: str = "lossless", force: bool = False) -> _ins
         projections=_projections,
     )
     handle.on_restore(_masks.clear)  # the prepared caption mask, and the tensors it holds
+    caption = _caption_linears(model)
+    if caption is not None and model.transformer_blocks[0].attn2 not in _captions:
+        attns = [block.attn2 for block in model.transformer_blocks]
+        for i, attn in enumerate(attns):
+            _captions[attn] = (caption, 2 * i)
+
+        def forget():
+            for attn in attns:
+                _captions.pop(attn, None)
+
+        handle.on_restore(forget)
     return handle

@@ -298,6 +298,9 @@ def _check_lossless(model, calls):
     assert ops >= {"layer_norm_modulate", "gated_residual", "conv_bias_silu", "conv_bias_glu", "linear_attention",
                    "projections"}, \
         _verdicts()
+    layers = len(model.transformer_blocks)
+    captions = [v for v in policy.verdicts() if v.op == "projections" and f"N={(2240,) * 2 * layers}" in v.signature]
+    assert captions and all(v.active for v in captions), _verdicts()  # every block's caption k, v: one GEMM
     for kw, ref in zip(calls, refs):
         assert same_bits(_run(model, kw)[0], ref)  # restored
 
