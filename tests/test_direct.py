@@ -111,3 +111,19 @@ def test_a_tensor_subclass_reaches_the_module():
     x = torch.randn(3, 4).as_subclass(Tagged)
     out = _direct.call(module, x)
     assert type(out) is Tagged and torch.equal(out, module(x))
+
+
+def test_item_is_module_list_indexing():
+    """`item(modules, i)` is `modules[i]`: for an nn.ModuleList after deletions and
+    insertions (which renumber its keys), for negative indices, out of range (the same
+    IndexError) and for other containers."""
+    a, b, c, d = (torch.nn.Linear(2, 2) for _ in range(4))
+    ml = torch.nn.ModuleList([a, b, c])
+    del ml[0]
+    ml.insert(1, d)
+    for i in range(-len(ml), len(ml)):
+        assert _direct.item(ml, i) is ml[i]
+    with pytest.raises(IndexError):
+        _direct.item(ml, len(ml))
+    seq = torch.nn.Sequential(a, b)
+    assert _direct.item(seq, 1) is seq[1] and _direct.item([a, b], 0) is a

@@ -586,6 +586,28 @@ def test_the_layout_views_are_the_stock_views(layout):
     assert layout != "transposed" or not view  # (that y's flatten copies)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "packed", "offset", "transposed", "batch-1", "one-token"])
+def test_the_attention_head_views_are_the_stock_views(layout):
+    """The cross-attention's `view(B, -1, heads, d).transpose(1, 2)` of q, k, v and
+    `transpose(1, 2).reshape(B, -1, heads * d)` of its output, as one `as_strided`
+    each: the stock views' shape, strides and storage offset, for every layout of the
+    operand (a column slice of a packed projection output among them); sizes of 1 and
+    an output whose reshape copies keep the stock calls."""
+    B, N, H, d = {"batch-1": (1, 7, 4, 8), "one-token": (2, 1, 4, 8)}.get(layout, (2, 7, 4, 8))
+    C = H * d
+    t = {"packed": torch.randn(B, N, 3 * C + 16)[..., C + 16:2 * C + 16], "offset": torch.randn(B + 1, N, C)[1:],
+         "transposed": torch.randn(B, C, N).transpose(1, 2)}.get(layout, torch.randn(B, N, C))
+    o = {"transposed": torch.randn(B, N, H, d).transpose(1, 2)}.get(layout, torch.randn(B, H, N, d))
+    pairs = [(t, sana._heads_view(t, B, H, d), t.view(B, -1, H, d).transpose(1, 2)),
+             (o, sana._merged_heads(o, B, C), o.transpose(1, 2).reshape(B, -1, C))]
+    for base, ours, stock in pairs:
+        assert ours.shape == stock.shape and ours.stride() == stock.stride()
+        assert ours.storage_offset() == stock.storage_offset() and torch.equal(ours, stock)
+        view = stock.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+        assert (ours.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()) == view
+    assert layout != "contiguous" or not view  # (that the contiguous [B, H, N, d] output's reshape copies)
+
+
 def test_projection_weights_are_packed_while_accelerated():
     """accelerate packs each self-attention's q, k, v weights and each cross-attention's
     k, v weights and biases (`sites.linear_projections_site` makes one GEMM of them on

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from .. import sites
 
-__all__ = ["call", "plain"]
+__all__ = ["call", "item", "plain"]
 
 
 def plain(module) -> bool:
@@ -50,3 +50,14 @@ def call(module, x, *args, **kwargs):
         p = module._parameters
         return F.conv2d(x, p["weight"], p["bias"], module.stride, module.padding, module.dilation, module.groups)
     return module.forward(x)
+
+
+def item(modules, i: int):
+    """`modules[i]` for an `nn.ModuleList` (the class itself) without its index
+    arithmetic: the module registered under `str(i)`, for i >= 0; anything else indexed
+    as written."""
+    if type(modules) is torch.nn.ModuleList and i >= 0:
+        m = modules._modules.get(str(i))
+        if m is not None:
+            return m
+    return modules[i]

@@ -54,10 +54,12 @@ the projections (and SANA 1.5's query/key RMSNorms, which run as diffusers runs 
 and `to_out`, its relus, fp32 casts, padded value, two matmuls and guarded division go
 through `sites.linear_attention_site` (`ops.linear_attention`: the matmuls as eager runs
 them, on the very operands eager's `torch.matmul` builds, the elementwise work around
-them in two kernels). `SanaAttnProcessor2_0` (the cross-attention) is copied with two
+them in two kernels). `SanaAttnProcessor2_0` (the cross-attention) is copied with
 host-side changes that keep every bit: the caption mask is prepared once a forward for
-all blocks (`_prepared_mask`: the same ops on the same tensor), and the output is not
-divided by a `rescale_output_factor` of 1.0 (x / 1.0 is x). Both processors
+all blocks (`_prepared_mask`: the same ops on the same tensor), the head views of q, k,
+v and of the output are one `as_strided` call each (`_heads_view`, `_merged_heads`: the
+stock views' shapes, strides and offsets), and the output is not divided by a
+`rescale_output_factor` of 1.0 (x / 1.0 is x). Both processors
 make their projections of one input as one GEMM (`sites.linear_projections_site`: the
 self-attention's q, k, v; the caption's k, v), the weights packed end to end when
 `accelerate` installs (the same Parameters and values; unpacked on restore), each
@@ -212,6 +214,32 @@ def _nchw_as_tokens(y):
     return y.as_strided((y.shape[0], y.shape[2] * y.shape[3], y.shape[1]), (sb, sw, sc), y.storage_offset())
 
 
+def _heads_view(t, batch_size, heads, head_dim):
+    """`t.view(batch_size, -1, heads, head_dim).transpose(1, 2)` for t [B, N, heads *
+    head_dim]: the same view (shape, strides, offset) in one `as_strided` call outside
+    tracing; the two calls where a size of 1 (whose stride `view` may pick otherwise)
+    or another shape is involved."""
+    if torch.compiler.is_compiling() or t.dim() != 3 or t.shape[0] != batch_size or batch_size < 2 \
+            or t.shape[1] < 2 or heads < 2 or head_dim < 2 or t.shape[2] != heads * head_dim:
+        return t.view(batch_size, -1, heads, head_dim).transpose(1, 2)
+    sb, sn, sd = t.stride()
+    return t.as_strided((batch_size, heads, t.shape[1], head_dim), (sb, head_dim * sd, sn, sd), t.storage_offset())
+
+
+def _merged_heads(o, batch_size, inner_dim):
+    """`o.transpose(1, 2).reshape(batch_size, -1, inner_dim)` for the attention output o
+    [B, heads, N, head_dim]: one `as_strided` call where that reshape is a view (heads
+    and head_dim adjacent in memory, as SDPA's backends lay them out), outside tracing;
+    else the two calls (a reshape that copies)."""
+    if torch.compiler.is_compiling() or o.dim() != 4 or o.shape[0] != batch_size or batch_size < 2:
+        return o.transpose(1, 2).reshape(batch_size, -1, inner_dim)
+    b, h, n, d = o.shape
+    sb, sh, sn, sd = o.stride()
+    if h < 2 or n < 2 or d < 2 or h * d != inner_dim or sh != d * sd:
+        return o.transpose(1, 2).reshape(batch_size, -1, inner_dim)
+    return o.as_strided((b, n, inner_dim), (sb, sn, sd), o.storage_offset())
+
+
 def _glumbconv_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     """diffusers 0.42.1 `GLUMBConv.forward`, the two convolution epilogues through bitfuse."""
     if self.residual_connection:
@@ -300,8 +328,8 @@ class _LinearAttnProcessor(SanaLinearAttnProcessor2_0):
 
         # diffusers: hidden_states = attn.to_out[0](hidden_states)
         # diffusers: hidden_states = attn.to_out[1](hidden_states)
-        hidden_states = _direct.call(attn.to_out[0], hidden_states)
-        hidden_states = _direct.call(attn.to_out[1], hidden_states)
+        hidden_states = _direct.call(_direct.item(attn.to_out, 0), hidden_states)
+        hidden_states = _direct.call(_direct.item(attn.to_out, 1), hidden_states)
 
         if original_dtype == torch.float16:
             hidden_states = hidden_states.clip(-65504, 65504)
@@ -311,7 +339,9 @@ class _LinearAttnProcessor(SanaLinearAttnProcessor2_0):
 
 class _CrossAttnProcessor(SanaAttnProcessor2_0):
     """diffusers 0.42.1 `SanaAttnProcessor2_0.__call__`: the caption mask prepared once
-    for all blocks (`_prepared_mask`), and no division by a `rescale_output_factor` of 1."""
+    for all blocks (`_prepared_mask`), every block's caption k, v made at the first
+    (`_caption_projections`), the head views as one call each, and no division by a
+    `rescale_output_factor` of 1."""
 
     def __call__(
         self,
@@ -351,10 +381,13 @@ class _CrossAttnProcessor(SanaAttnProcessor2_0):
         inner_dim = key.shape[-1]
         head_dim = inner_dim // attn.heads
 
-        query = query.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+        # diffusers: query = query.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+        query = _heads_view(query, batch_size, attn.heads, head_dim)
 
-        key = key.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
-        value = value.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+        # diffusers: key = key.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+        # diffusers: value = value.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+        key = _heads_view(key, batch_size, attn.heads, head_dim)
+        value = _heads_view(value, batch_size, attn.heads, head_dim)
 
         # the output of sdp = (batch, num_heads, seq_len, head_dim)
         # TODO: add support for attn.scale when we move to Torch 2.1
@@ -362,7 +395,8 @@ class _CrossAttnProcessor(SanaAttnProcessor2_0):
             query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False
         )
 
-        hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
+        # diffusers: hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
+        hidden_states = _merged_heads(hidden_states, batch_size, attn.heads * head_dim)
         # diffusers: hidden_states = hidden_states.to(query.dtype)
         # bitfuse: .to of its own dtype returns the tensor itself: called to change it (and traced as stock)
         if hidden_states.dtype != query.dtype or torch.compiler.is_compiling():
@@ -370,10 +404,10 @@ class _CrossAttnProcessor(SanaAttnProcessor2_0):
 
         # linear proj
         # diffusers: hidden_states = attn.to_out[0](hidden_states)
-        hidden_states = _direct.call(attn.to_out[0], hidden_states)
+        hidden_states = _direct.call(_direct.item(attn.to_out, 0), hidden_states)
         # dropout
         # diffusers: hidden_states = attn.to_out[1](hidden_states)
-        hidden_states = _direct.call(attn.to_out[1], hidden_states)
+        hidden_states = _direct.call(_direct.item(attn.to_out, 1), hidden_states)
 
         # diffusers: hidden_states = hidden_states / attn.rescale_output_factor
         # bitfuse: x / 1.0 is x, bit for bit (NaN stays NaN): divided only by another factor (or traced as stock)
