@@ -686,6 +686,42 @@ def test_unpacked_caption_linears_are_projected_block_by_block(monkeypatch):
         assert sorted(calls) == [2, 2, 2, 3, 3, 3]
 
 
+@pytest.mark.parametrize("change", ["in-place", "rebound"])
+def test_caption_linears_changed_during_a_forward_are_not_served_from_the_memo(monkeypatch, change):
+    """A hook between the blocks that changes a later block's caption weights (in place,
+    or `.data` rebound to other storage) after the first block made every block's k, v:
+    that block computes its own two with the weights it has then, as stock does; the
+    other blocks keep the memo's."""
+    model = _model("1.0", num_layers=3)
+    kw = _inputs(model, 2, 5)
+    attn = model.transformer_blocks[1].attn2
+    saved = attn.to_k.weight.detach().clone(), attn.to_v.bias.detach().clone()
+
+    def hook(module, args):
+        with torch.no_grad():
+            if change == "in-place":
+                attn.to_k.weight.mul_(0.5)
+                attn.to_v.bias.add_(1.0)
+            else:
+                attn.to_k.weight.data = attn.to_k.weight.data * 0.5
+
+    def reset():
+        with torch.no_grad():
+            attn.to_k.weight.copy_(saved[0])
+            attn.to_v.bias.copy_(saved[1])
+
+    handle = model.transformer_blocks[1].register_forward_pre_hook(hook)
+    ref = run(model, kw)
+    reset()
+    calls = _counting_projections(monkeypatch)
+    with bitfuse.accelerate(model):
+        out = run(model, kw)
+        reset()
+    handle.remove()
+    assert_same(out, ref)
+    assert sorted(calls) == [2, 3, 3, 3, 6]
+
+
 def test_the_caption_memo_keeps_to_its_tensor():
     """Inside one forward's memo: a block given another caption than the first block's
     (another tensor, or the same one modified since) gets its own two projections, and

@@ -428,26 +428,43 @@ def _caption_projections(attn, encoder_hidden_states):
     (`sites.linear_projections_site`, verified against the separate calls) and the
     forward's memo (`_install.forward_memo`) hands each later block its two: the same
     values, computed earlier. Kept for the caption tensor it was made from (`is`, not
-    modified since: its version); a second miss in one forward (blocks given other
-    captions) stops it for that forward. Elsewhere (not packed, as after `.to()`; no
-    accelerated forward around the call; tracing) this block's two as one GEMM."""
+    modified since: its version), and handed to a block only while its own weights and
+    biases are the ones they were (the same storage, not modified since: something run
+    between the blocks, such as a hook, may change them); a second miss in one forward
+    (blocks given other captions) stops it for that forward. Elsewhere (not packed, as
+    after `.to()`; no accelerated forward around the call; tracing) this block's two as
+    one GEMM."""
     entry = memo = None
     if not torch.compiler.is_compiling():  # (traced: the plain calls, as the site makes them there)
         entry, memo = _captions.get(attn), _install.forward_memo()
     if entry is not None and memo is not None:
         linears, i = entry
-        if linears[i] is attn.to_k and linears[i + 1] is attn.to_v:
+        to_k, to_v = attn.to_k, attn.to_v
+        if linears[i] is to_k and linears[i + 1] is to_v:
             key = ("sana caption projections", id(linears))
             hit = memo.get(key)
             c = encoder_hidden_states
             if hit is None or (hit is not False and (hit[0] is not c or hit[1] != c._version)):
                 if hit is None and sites.linears_packed(*linears):
-                    memo[key] = hit = (c, c._version, sites.linear_projections_site(c, *linears, call=_direct.call))
+                    params = _parameters_state(linears)
+                    memo[key] = hit = (c, c._version, sites.linear_projections_site(c, *linears, call=_direct.call),
+                                       params)
                 else:
                     memo[key] = hit = False
-            if hit is not False:
+            if hit is not False and hit[3][i] == _parameter_state(to_k) and hit[3][i + 1] == _parameter_state(to_v):
                 return hit[2][i], hit[2][i + 1]
     return sites.linear_projections_site(encoder_hidden_states, attn.to_k, attn.to_v, call=_direct.call)
+
+
+def _parameter_state(linear):
+    """Where a linear's weight and bias lie and their versions (in-place changes)."""
+    p = linear._parameters
+    w, b = p["weight"], p["bias"]
+    return (w.data_ptr(), w._version) if b is None else (w.data_ptr(), w._version, b.data_ptr(), b._version)
+
+
+def _parameters_state(linears):
+    return [_parameter_state(m) for m in linears]
 
 
 def _caption_linears(model):
