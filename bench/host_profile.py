@@ -3,18 +3,16 @@
     python -m bench.host_profile ltx2 --layers 4 --batch 1 --video 1 4 4 --audio-tokens 4 --text-tokens 8
 
 The model of a bench/models.py preset (same options); pass a tiny token count, as
-above, so that GPU work is negligible and the wall time of a forward is the host's:
-the floor under the wall time of a non-graph forward at any size (at tiny M each
-linear also pays cuBLAS's heuristics, so it overstates that floor). Prints ms per
-forward for each mode, then for the last mode cProfile's functions by own time and
-the top-level aten ops one forward dispatches.
+above, so that GPU work is negligible and the wall time of a forward is the host's.
+That is the host time of the tiny shape's calls, not a floor for the real shape: at
+tiny M each linear pays cuBLAS's heuristics, and shape-dependent paths differ (Sana
+at 64 x 64 pixels: lossless 25.3 ms a forward, where the real shape's host time is
+16-18.5; bench/NOTES.md, thirteenth session). Prints ms per forward for each mode
+(in the order of bench/models.py's modes), then for the last of them cProfile's
+functions by own time and the top-level aten ops one forward dispatches.
 
     python -m bench.host_profile sana --split      # at the preset's own shape
-    python -m bench.host_profile sana --pixels 64 --modes eager lossless compile   # Sana's host floor
-
-At 64 x 64 pixels (4 tokens a sample) a Sana forward's GPU work is negligible: the
-wall time per mode is its host time, which at Sana's own shape is what bounds every
-mode but CUDA graphs (bench/NOTES.md, 2026-12-03).
+    python -m bench.host_profile sana --pixels 64 --modes eager lossless compile   # the tiny shape
 
 --split also prints, per mode, the host time of a forward split over the repeated
 blocks' non-leaf children (attention, feed-forward, ...), the blocks' own code (the
