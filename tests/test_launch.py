@@ -162,6 +162,39 @@ def test_an_operand_of_another_dtype_compiles_its_own_kernel(monkeypatch):
     assert [call[1][1].dtype for call in kernel.calls[2:]] == ["fp32", "bf16"] and len(recipe.entries) == 2
 
 
+def test_the_fast_entry_serves_only_aligned_operands_of_its_dtypes_on_the_current_device(monkeypatch):
+    """`Recipe.fast` (an OR of the addresses instead of the full key) launches exactly
+    what the keyed path launches, and only where that path would pick the same
+    compiled kernel: a misaligned pointer, an operand of another dtype or on another
+    device than the current one goes the keyed way."""
+    cuda = FakeCuda(monkeypatch)
+    launch_core._C_LAUNCH_OK.clear()
+    kernel = FakeKernel()
+    launcher = launch_core.FastLaunch(kernel, ("BLOCK",))
+    launcher.direct = True
+    recipe = launch_core.Recipe((3, 1, 2), (5, 64), (128,), 4)
+    launcher.launch(recipe, (FakeTensor(4096), FakeTensor(8192)))  # compiles
+    assert recipe.fast is None
+    launcher.launch(recipe, (FakeTensor(4096 + 16), FakeTensor(8192)))  # keyed, direct: makes the fast entry
+    assert recipe.fast is not None and len(kernel.calls) == 1
+    launcher.launch(recipe, (FakeTensor(4096 + 32), FakeTensor(8192 + 48)))  # fast
+    expected = [(3, 1, 2, 7, "fn", False, False, None, None, "meta", None, None, None, p, q, 5, 64, 128)
+                for p, q in ((4096 + 16, 8192), (4096 + 32, 8192 + 48))]
+    assert kernel.launched == expected and len(kernel.calls) == 1
+    launcher.launch(recipe, (FakeTensor(4096 + 8), FakeTensor(8192)))  # misaligned: Triton's path
+    assert len(kernel.calls) == 2
+    launcher.launch(recipe, (FakeTensor(4096), FakeTensor(8192, dtype="fp32")))  # another dtype: compiles its own
+    assert [call[1][1].dtype for call in kernel.calls] == ["bf16", "bf16", "fp32"]
+    on_1 = (FakeTensor(4096, device=1), FakeTensor(8192, device=1))
+    launcher.launch(recipe, on_1)  # another device: launched under it
+    assert cuda.entered == [1]
+    cuda.current = 1  # the fast entry's device is 0: not the current one now
+    before = len(kernel.launched)
+    launcher.launch(recipe, (FakeTensor(4096), FakeTensor(8192)))
+    assert cuda.entered == [1, 0] and len(kernel.launched) == before + 1
+    assert kernel.launched[-1][13:15] == (4096, 8192)
+
+
 # ---------------------------------------------------------------- compiles in the background
 
 

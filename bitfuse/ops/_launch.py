@@ -91,6 +91,48 @@ def inference_only(op):
     return op
 
 
+def contiguous_strides(shape) -> tuple:
+    """The strides of a contiguous tensor of `shape`, as torch lays it out (a size below
+    1 counts as 1: c10's contiguous_strides)."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+try:  # the allocation Inductor's generated code makes: a CUDA tensor without the dispatcher
+    from torch._C._dynamo.guards import _empty_strided_cuda
+except Exception:  # pragma: no cover - depends on the build
+    _empty_strided_cuda = None
+
+
+class Output:
+    """A new tensor of one shape, strides and dtype on one device, for each call of a
+    bound launch (whose call key fixes them): `torch.empty_strided`, allocated without the
+    dispatcher (`_empty_strided_cuda`, the current device's caching allocator, as
+    Inductor's wrappers allocate) where the device is the current CUDA device. The same
+    tensor as `torch.empty_like(x, memory_format=torch.contiguous_format)` for
+    `Output.contiguous_like(x)`, in about half its host time (bench/NOTES.md, fourteenth
+    session)."""
+
+    __slots__ = ("shape", "stride", "dtype", "device")
+
+    def __init__(self, shape, stride, dtype, device: int):
+        self.shape, self.stride, self.dtype, self.device = tuple(shape), tuple(stride), dtype, device
+
+    @classmethod
+    def contiguous_like(cls, x) -> "Output":
+        return cls(x.shape, contiguous_strides(x.shape), x.dtype, x.get_device())
+
+    def __call__(self) -> torch.Tensor:
+        device = self.device
+        if device >= 0 and _empty_strided_cuda is not None and torch._C._cuda_getDevice() == device:
+            return _empty_strided_cuda(self.shape, self.stride, self.dtype)
+        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype,
+                                   device=torch.device("cpu") if device < 0 else torch.device("cuda", device))
+
+
 class GeometryCache:
     """The guard's per-layout work (a plan's geometry and launch, or the reason a
     layout takes the reference), computed once per key; bounded, cleared when full."""
@@ -121,14 +163,18 @@ def _no_hooks(hook) -> bool:
 class Recipe:
     """One launch with everything but the tensors fixed: grid, integer arguments,
     constexprs and warps. Built once per cached geometry, it keeps the compiled
-    kernel per pointer-alignment pattern, so a call is a dict lookup and the launch."""
+    kernel per pointer-alignment pattern, so a call is a dict lookup and the launch.
+    `fast`: the launch of the common case (every pointer 16-byte aligned, the operands'
+    dtypes and device those of its first such launch) with its arguments but the
+    stream and the pointers laid out, so that such a call builds no key."""
 
-    __slots__ = ("grid", "ints", "consts", "num_warps", "entries")
+    __slots__ = ("grid", "ints", "consts", "num_warps", "entries", "fast")
 
     def __init__(self, grid, ints: tuple, consts: tuple, num_warps: int):
         self.grid = (grid[0], grid[1], grid[2] if len(grid) > 2 else 1)
         self.ints, self.consts, self.num_warps = ints, consts, num_warps
         self.entries = {}  # pointer alignments -> (run, head, metadata)
+        self.fast = None  # (device, dtypes, run, grid x, y, z, the arguments before the pointers, after them)
 
 
 class FastLaunch:
@@ -183,7 +229,29 @@ class FastLaunch:
 
     def launch(self, recipe: Recipe, tensors) -> None:
         """Launch `recipe` on `tensors` (every one of the dtype and device the recipe
-        was built for: the caller's geometry cache is keyed by them)."""
+        was built for: the caller's geometry cache is keyed by them).
+
+        The common case takes `recipe.fast`: every pointer 16-byte aligned (an OR of
+        the addresses), each operand of the dtype the fast entry was made for and on
+        its device, which is the current one; the compiled kernel is then the one the
+        full key (`_pointer_types`) picks, without building that key. Anything else
+        takes the keyed path."""
+        fast = recipe.fast
+        if fast is not None:
+            device, dtypes, run, gx, gy, gz, before, after = fast
+            if len(tensors) == len(dtypes):
+                ptrs = []
+                bits = 0
+                for t, dtype in zip(tensors, dtypes):
+                    if t.dtype is not dtype:
+                        bits = 1
+                        break
+                    p = t.data_ptr()
+                    bits |= p
+                    ptrs.append(p)
+                if not bits & 15 and tensors[0].get_device() == device and torch._C._cuda_getDevice() == device:
+                    run(gx, gy, gz, torch._C._cuda_getCurrentRawStream(device), *before, *ptrs, *after)
+                    return
         device = tensors[0].get_device()
         if device >= 0 and device != torch._C._cuda_getDevice():
             with torch.cuda.device(device):
@@ -203,6 +271,9 @@ class FastLaunch:
             recipe.entries[aligned] = entry
         run, head, metadata = entry
         grid = recipe.grid
+        if recipe.fast is None and device >= 0 and all(a for _, a in aligned):
+            recipe.fast = (device, tuple(t for t, _ in aligned), run, grid[0], grid[1], grid[2],
+                           (*head, metadata, None, None, None), (*recipe.ints, *recipe.consts))
         run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device),
             *head, metadata, None, None, None, *ptrs, *recipe.ints, *recipe.consts)
 

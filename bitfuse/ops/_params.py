@@ -270,13 +270,14 @@ def launch_shape(D: int, rows: int, elem_bytes: int, streams: int = 2) -> tuple[
     return 1, block_d, 8 if block_d == 2048 else 4
 
 
-def bound_param_launch(launch, recipe, operands, folded_c: bool, folded_h: bool, checks=()):
+def bound_param_launch(launch, recipe, operands, folded_c: bool, folded_h: bool, output, checks=()):
     """The bound launch (`OpSpec.bind`) of an op taking (x, scale, shift, ...): `run(x,
-    scale, shift, *scalars)` -> a new contiguous output of x's shape, or None where a
-    pointer misses an alignment the guard requires (`checks`: (argument index, bytes)
-    pairs). `operands(x, scale, shift, out, scale_table, shift_table)` orders the
-    kernel's tensors; a Folded parameter (folded_c / folded_h) is unpacked into its temb
-    view and table row. The closure holds no tensor of the call that bound it."""
+    scale, shift, *scalars)` -> a new output from `output` (an `Output`: contiguous, x's
+    shape), or None where a pointer misses an alignment the guard requires (`checks`:
+    (argument index, bytes) pairs). `operands(x, scale, shift, out, scale_table,
+    shift_table)` orders the kernel's tensors; a Folded parameter (folded_c / folded_h) is
+    unpacked into its temb view and table row. The closure holds no tensor of the call
+    that bound it."""
 
     def run(*args):
         for i, align in checks:
@@ -288,7 +289,7 @@ def bound_param_launch(launch, recipe, operands, folded_c: bool, folded_h: bool,
             ct, scale = scale.table, scale.temb
         if folded_h:
             ht, shift = shift.table, shift.temb
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        out = output()
         launch(recipe, operands(x, scale, shift, out, ct, ht))
         return out
 

@@ -110,6 +110,7 @@ from ._launch import (
     INTERPRET,
     FastLaunch,
     GeometryCache,
+    Output,
     Recipe,
     cdiv,
     device_index,
@@ -596,12 +597,43 @@ def bind_conv(plan: ConvPlan):
     dtypes, devices and convolution arguments: the convolution (without its bias where
     the plan splits it off), then the epilogue."""
     split, glu = plan.split, plan.glu
+    launches = {}  # y's shape and strides -> (the output's `Output`, the epilogue's Recipe)
 
     def run(x, weight, bias, stride, padding, dilation, groups):
         y = F.conv2d(x, weight, None if split else bias, stride, padding, dilation, groups)
-        return _epilogue(y, bias if split else None, glu)
+        b = bias if split else None
+        key = (y.shape, y.stride())
+        hit = launches.get(key)
+        if hit is None:
+            hit = _bound_epilogue(y, b, glu)
+            if hit is None:
+                return _epilogue(y, b, glu)
+            if len(launches) >= 4:
+                launches.clear()
+            launches[key] = hit
+        output, recipe = hit
+        out = output()
+        _launch.launch(recipe, (y, y if b is None else b, out))
+        return out
 
     return run
+
+
+def _bound_epilogue(y, bias, glu: bool):
+    """What `_epilogue(y, bias, glu)` allocates and launches for y's geometry, as (an
+    `Output` of eager's layout, the Recipe), where the SiLU's form is settled for y's
+    device and dtype and the kernel takes the layout; else None. A bound convolution
+    keeps it per geometry of its y (cuDNN's output layout for the bound inputs), so a
+    call makes no cache keys."""
+    form = _FORMS.get((y.get_device(), y.dtype, glu))
+    if form is None:
+        return None
+    key = (y.shape, y.stride(), y.dtype, bias is None, glu)
+    shape, stride = _strides_cache.get(key, _out_strides, y.shape, y.stride(), y.dtype, bias is not None, glu)
+    recipe = _recipe(y, bias, torch.empty_strided(shape, stride, dtype=y.dtype, device="meta"), glu, form)
+    if recipe.__class__ is str:
+        return None
+    return Output(shape, stride, y.dtype, y.get_device()), recipe
 
 
 def conv_bias_silu_reference(x, weight, bias, stride, padding, dilation, groups) -> torch.Tensor:

@@ -23,6 +23,7 @@ from ._launch import (
     HAS_TRITON,
     FastLaunch,
     GeometryCache,
+    Output,
     Recipe,
     jit,
     register_op,
@@ -223,12 +224,13 @@ def bind_gated_residual(plan: GatedResidualPlan):
     call with the plan's shapes, strides, dtypes and devices (a Folded gate where the
     plan's was)."""
     recipe, launch, folded = plan.recipe, _launch.launch, plan.gate_table is not None
+    output = Output.contiguous_like(plan.x)
 
     def run(x, y, gate):
         gt = None
         if folded:
             gt, gate = gate.table, gate.temb
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        out = output()
         launch(recipe, (x, y, gate, out, gate if gt is None else gt))
         return out
 

@@ -29,6 +29,7 @@ from ._launch import (
     HAS_TRITON,
     FastLaunch,
     GeometryCache,
+    Output,
     Recipe,
     jit,
     register_op,
@@ -153,9 +154,10 @@ def bind_head_gate(plan: HeadGatePlan):
     """The plan's launch bound to its geometry (`OpSpec.bind`): `run(y, gate)` for a call
     with the plan's shapes, strides, dtypes and devices."""
     recipe, launch = plan.recipe, _launch.launch
+    output = Output.contiguous_like(plan.y)
 
     def run(y, gate):
-        out = torch.empty_like(y, memory_format=torch.contiguous_format)
+        out = output()
         launch(recipe, (y, gate, out))
         return out
 

@@ -65,6 +65,7 @@ from ._launch import (
     HAS_TRITON,
     INTERPRET,
     FastLaunch,
+    Output,
     Recipe,
     cdiv,
     jit,
@@ -511,7 +512,7 @@ def bind_layer_norm_modulate(plan):
         checks += tuple((i, 16) for i, p in ((1, plan.scale), (2, plan.shift))
                         if p.dtype is torch.float32 and p.stride(0) == 1)
     return bound_param_launch(launch, recipe, functools.partial(_operands, plan.exact), plan.scale_table is not None,
-                              plan.shift_table is not None, checks)
+                              plan.shift_table is not None, Output.contiguous_like(x), checks)
 
 
 def layer_norm_modulate(x, scale, shift, eps: float, *, tier: str = "lossless") -> torch.Tensor:

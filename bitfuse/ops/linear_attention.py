@@ -53,8 +53,10 @@ from ._launch import (
     INTERPRET,
     FastLaunch,
     GeometryCache,
+    Output,
     Recipe,
     cdiv,
+    contiguous_strides,
     device_index,
     jit,
     needs_int64,
@@ -240,17 +242,28 @@ def plan_linear_attention(q, k, v, heads, tier: str = "lossless"):
     return LinearAttentionPlan(q, k, v, heads, head, keep, prep, post, key)
 
 
-def _run(q, k, v, heads, head, prep, post, out):
-    """The prep kernel into the three bmm operands eager builds, its two bmm calls, the
-    epilogue kernel into `out` (default: eager's strides)."""
+def _outputs(q, heads, head) -> tuple:
+    """The three bmm operands the prep kernel writes and the output (eager's strides),
+    as `Output`s for q's geometry."""
     B, N, C = q.shape
-    qt = torch.empty((B * heads, head, N), dtype=torch.float32, device=q.device)
-    kc = torch.empty((B * heads, N, head), dtype=torch.float32, device=q.device)
-    vp = torch.empty((B * heads, head + 1, N), dtype=torch.float32, device=q.device)
+    device, f32 = q.get_device(), torch.float32
+    return (Output((B * heads, head, N), contiguous_strides((B * heads, head, N)), f32, device),
+            Output((B * heads, N, head), contiguous_strides((B * heads, N, head)), f32, device),
+            Output((B * heads, head + 1, N), contiguous_strides((B * heads, head + 1, N)), f32, device),
+            Output((B, N, C), (C * N, 1, N), q.dtype, device))
+
+
+def _run(q, k, v, heads, head, prep, post, out, outputs=None):
+    """The prep kernel into the three bmm operands eager builds, its two bmm calls, the
+    epilogue kernel into `out` (default: eager's strides). `outputs`: `_outputs` of q's
+    geometry, where the caller keeps them."""
+    B, N, C = q.shape
+    qt_of, kc_of, vp_of, out_of = outputs or _outputs(q, heads, head)
+    qt, kc, vp = qt_of(), kc_of(), vp_of()
     _prep.launch(prep, (q, k, v, qt, kc, vp))
     hidden = torch.bmm(torch.bmm(vp, kc), qt)  # eager's two matmuls, on the operands it builds
     if out is None:
-        out = torch.empty_strided((B, N, C), (C * N, 1, N), dtype=q.dtype, device=q.device)
+        out = out_of()
         _post.launch(post, (hidden, out))
         return out
     wide = prep.consts[2] or needs_int64((B, out.stride(0)), (N, out.stride(1)), (C, out.stride(2)))
@@ -268,9 +281,10 @@ def bind_linear_attention(plan: LinearAttentionPlan):
     """The plan's launches bound to its geometry (`OpSpec.bind`): `run(q, k, v, heads)`
     for a call with the plan's shapes, strides, dtypes and devices."""
     head, prep, post = plan.head, plan.prep, plan.post
+    outputs = _outputs(plan.q, plan.heads, head)
 
     def run(q, k, v, heads):
-        return _run(q, k, v, heads, head, prep, post, None)
+        return _run(q, k, v, heads, head, prep, post, None, outputs)
 
     return run
 

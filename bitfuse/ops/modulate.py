@@ -28,6 +28,7 @@ from ._launch import (
     HAS_TRITON,
     FastLaunch,
     GeometryCache,
+    Output,
     Recipe,
     jit,
     register_op,
@@ -186,7 +187,7 @@ def bind_modulate(plan: ModulatePlan):
     """The plan's launch bound to its geometry (`OpSpec.bind`): `run(x, scale, shift)` for
     a call with the plan's shapes, strides, dtypes and devices (Folded where the plan's were)."""
     return bound_param_launch(_launch.launch, plan.recipe, _operands, plan.scale_table is not None,
-                              plan.shift_table is not None)
+                              plan.shift_table is not None, Output.contiguous_like(plan.x))
 
 
 def modulate(x, scale, shift) -> torch.Tensor:

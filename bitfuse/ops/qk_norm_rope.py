@@ -79,8 +79,10 @@ from ._launch import (
     HAS_TRITON,
     FastLaunch,
     GeometryCache,
+    Output,
     Recipe,
     cdiv,
+    contiguous_strides,
     device_index,
     inference_only,
     jit,
@@ -860,6 +862,8 @@ def bind_qk_norm_rope(plan: QKNormRopePlan):
     n, shapes = geo.n, geo.outputs
     has_weight, has_freqs = plan.ws is not None, plan.fs[0] is not None
     complex_freqs = plan.rope[0] == _ROPE_CODE["complex"]
+    dtype, device = plan.xs[0].dtype, plan.xs[0].get_device()
+    outputs = tuple(Output(shape, contiguous_strides(shape), dtype, device) for shape in shapes)
 
     def run(queries, keys, weights, eps, freqs, rope_type, norm):
         xs = (*queries, *keys)
@@ -878,8 +882,7 @@ def bind_qk_norm_rope(plan: QKNormRopePlan):
         else:
             fs = (None,) * (2 * n)
         x0 = xs[0]
-        out = (torch.empty(shapes[0], dtype=x0.dtype, device=x0.device),
-               torch.empty(shapes[1], dtype=x0.dtype, device=x0.device))
+        out = (outputs[0](), outputs[1]())
         tensors = _tensors(slots, n, xs, ws, fs, out)
         tensors.append(dummy_stats(x0))
         _launch_kernel.launch(recipe, tensors)

@@ -98,6 +98,7 @@ from . import cases
 from ._launch import (
     INTERPRET,
     FastLaunch,
+    Output,
     Recipe,
     cdiv,
     next_pow2,
@@ -490,7 +491,7 @@ def bind_rms_norm_modulate(plan):
     x = plan.x
     checks = ((0, 4 * x.element_size()),) if plan.exact and plan.reference == "aten" and x.is_contiguous() else ()
     return bound_param_launch(launch, recipe, functools.partial(_operands, plan.exact), plan.scale_table is not None,
-                              plan.shift_table is not None, checks)
+                              plan.shift_table is not None, Output.contiguous_like(x), checks)
 
 
 def bind_rms_norm(plan):
@@ -499,11 +500,12 @@ def bind_rms_norm(plan):
     eps and reference; None where x misses the alignment the guard requires."""
     recipe, launch = _recipe_of(plan), _launch_exact.launch
     align = 4 * plan.x.element_size() if plan.reference == "aten" and plan.x.is_contiguous() else 0
+    output = Output.contiguous_like(plan.x)
 
     def run(x, eps, reference):
         if align and x.data_ptr() % align:
             return None
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        out = output()
         launch(recipe, _operands(True, x, x, x, out, None, None))
         return out
 
