@@ -346,4 +346,7 @@ SPEC = OpSpec(
     make_args=_make_args,
     layouts=LAYOUTS,
     bandwidth_bound=False,
+    may_differ="cuBLAS picks its GEMM kernel per problem, and the packed GEMM (N: the parts together) may get "
+               "another one than the separate calls (on the H200: 2 rows in bf16 and fp16, 126 rows of fp32 "
+               "without biases)",
 )

@@ -45,6 +45,11 @@ class OpSpec:
         devices), returning the result, or None where this call needs the planner.
     bandwidth_bound: the op moves memory (its yardstick is the copy ceiling,
         `bench/ops.py`); False for an op around a GEMM (`projections`).
+    may_differ: why the fast path can give other bits than the reference on some
+        problems without a fault of its own (a library picking its kernel per
+        problem), or None: any difference is a finding. The gate verifies each
+        problem either way and gives those the reference; `bitfuse verify` reports
+        them as eager fallbacks, not mismatches.
     """
 
     name: str
@@ -58,6 +63,7 @@ class OpSpec:
     layouts: tuple[str, ...] = ()
     bind: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
     bandwidth_bound: bool = True
+    may_differ: str | None = None
 
     def kernel_tier(self, tier: str) -> str:
         """The kernel a requested tier runs: its own, or the lossless one."""
