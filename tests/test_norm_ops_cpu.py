@@ -388,7 +388,7 @@ def test_norm_alone_is_the_fused_kernels_n(kind):
 
 
 @interpreter
-@pytest.mark.parametrize("kind", ["diffusers", "aten"])
+@pytest.mark.parametrize("kind", ["diffusers", "aten", "ln"])
 @pytest.mark.parametrize("T", [1, 5])
 def test_folded_parameters_in_both_kernels(kind, T):
     """Folded (table row, temb) scale/shift give the bits the materialised sum gives,
@@ -404,8 +404,8 @@ def test_folded_parameters_in_both_kernels(kind, T):
         assert not isinstance(plan, str) and "+table" in plan.key[2], plan
         eager = _plan(kind, x, scale.value(), shift.value(), exact)
         for config in ((None, (2, 2, 1), (1, 4, 0)) if exact else (None,)):
-            assert same_bits(RMS.launch_rms_norm_modulate(plan, config=config),
-                               RMS.launch_rms_norm_modulate(eager, config=config))
+            launch = LN.launch_layer_norm_modulate if kind == "ln" else RMS.launch_rms_norm_modulate
+            assert same_bits(launch(plan, config=config), launch(eager, config=config))
 
 
 @interpreter

@@ -145,6 +145,14 @@ _SITE_FUNCS = ("layer_norm_modulate_site", "gated_residual_site", "modulate_site
                "conv_bias_silu_site", "conv_bias_glu_site", "linear_attention_site")
 
 
+def _param_record(p):
+    """(shape, view or not, contiguous or not) of a tensor parameter; (shape, "folded",
+    the table row's shape, whether the timestep part is a view) of a Folded one."""
+    if p.__class__ is _params.Folded:
+        return tuple(p.shape), "folded", tuple(p.table.shape), p.temb._base is not None
+    return tuple(p.shape), p._base is not None, p.is_contiguous()
+
+
 @contextlib.contextmanager
 def _recording_sites(monkeypatch):
     """Replace the site functions by recorders of their outermost calls: (site function,
@@ -167,7 +175,7 @@ def _recording_sites(monkeypatch):
                 records.append({
                     "site": name, "tier": sites._tier(block) if site else None, "name": site.name if site else None,
                     "x": tuple(x.shape), "x_stride": x.stride(), "modules": args[:2] if conv_site else None,
-                    "params": [(tuple(p.shape), p._base is not None, p.is_contiguous()) for p in params],
+                    "params": [_param_record(p) for p in params],
                 })
             depth.n = getattr(depth, "n", 0) + 1
             try:
@@ -229,8 +237,8 @@ def _ff_layouts(model, kw) -> list:
 
 
 def test_parameters_and_the_ff_layout_reach_the_sites_as_eager_builds_them(monkeypatch):
-    """Every scale/shift/gate is a [B, 1, D] view of the [B, 6, D] (head: [B, 2, D]) sum,
-    read in place; the FF's input, which the SiLU epilogue site receives, is the norm2
+    """Every block's scale/shift/gate is Folded([D] table row, [B, 1, D] view of the
+    timestep embedding), the head's a [B, 2, D] view of its sum, read in place; the FF's input, which the SiLU epilogue site receives, is the norm2
     site's modulated tokens viewed as channels-last NCHW (no copy), as in eager; the GLU
     epilogue site's input (the depthwise convolution's) keeps that layout, and so does its
     output (the pointwise convolution's input): every convolution sees the layout it sees
@@ -242,9 +250,11 @@ def test_parameters_and_the_ff_layout_reach_the_sites_as_eager_builds_them(monke
     stock_layouts = _ff_layouts(model, kw)
     with _recording_sites(monkeypatch) as records, bitfuse.accelerate(model):
         layouts = _ff_layouts(model, kw)
-    view = ((B, 1, D), True, False)
-    assert {p for r in records if r["site"] != "gated_residual_site" for p in r["params"]} == {view}
-    assert {p for r in records if r["site"] == "gated_residual_site" for p in r["params"]} == {view}
+    view, folded = ((B, 1, D), True, False), ((B, 1, D), "folded", (D,), True)
+    assert {p for r in records if r["name"] == "norm_out" for p in r["params"]} == {view}
+    assert {p for r in records if r["site"] == "layer_norm_modulate_site" and r["name"] != "norm_out"
+            for p in r["params"]} == {folded}
+    assert {p for r in records if r["site"] == "gated_residual_site" for p in r["params"]} == {folded}
     n = len(model.transformer_blocks)
     C = model.transformer_blocks[0].ff.conv_depth.in_channels
     silu_in, glu_in = ((B, D, h, w), (h * w * D, 1, w * D, D)), ((B, C, h, w), (h * w * C, 1, w * C, C))
@@ -252,6 +262,49 @@ def test_parameters_and_the_ff_layout_reach_the_sites_as_eager_builds_them(monke
     assert [(r["x"], r["x_stride"]) for r in records if r["site"] == "conv_bias_glu_site"] == [glu_in] * n
     glu_out = ((B, C // 2, h, w), (h * w * C // 2, 1, w * C // 2, C // 2))
     assert layouts == stock_layouts == [silu_in, glu_in, glu_out] * n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_modulation_parameters_are_the_stock_chunks(dtype):
+    """`sana._modulation`: six Folded parameters whose values are stock's chunks of
+    `table[None] + timestep.reshape(B, 6, -1)` bit for bit (shape, dtype, values, a
+    bf16 table with an fp32 timestep promoting as eager does); inside a forward the
+    timestep views are made once and reused while the tensor is unmodified; the table
+    rows follow the table's storage (`.data` replaced); stock's own tensors with
+    autograd recording and for a table of another shape."""
+    from bitfuse.models import _install
+
+    g = torch.Generator().manual_seed(0)
+    B, D = 2, 12
+    table = torch.nn.Parameter(torch.randn(6, D, generator=g).to(dtype))
+    stock = lambda t: (table[None] + t.reshape(B, 6, -1)).chunk(6, dim=1)  # noqa: E731
+    for t_dtype in (dtype, torch.float32):
+        timestep = torch.randn(B, 6 * D, generator=g).to(t_dtype)
+        with torch.no_grad():
+            params = sana._modulation(table, timestep, B)
+            assert all(p.__class__ is _params.Folded for p in params)
+            for p, e in zip(params, stock(timestep)):
+                assert p.shape == e.shape and same_bits(p.value(), e)
+    timestep = torch.randn(B, 6 * D, generator=g).to(dtype)
+    token = _install._memo.set({})
+    try:
+        with torch.no_grad():
+            first = sana._modulation(table, timestep, B)
+            assert all(a.temb is b.temb for a, b in zip(first, sana._modulation(table, timestep, B)))
+            timestep.mul_(2)  # modified: new views, the new values
+            again = sana._modulation(table, timestep, B)
+            assert all(a.temb is not b.temb for a, b in zip(first, again))
+            assert all(same_bits(p.value(), e) for p, e in zip(again, stock(timestep)))
+            table.data = torch.randn(6, D, generator=g).to(dtype)
+            assert all(same_bits(p.value(), e) for p, e in zip(sana._modulation(table, timestep, B), stock(timestep)))
+    finally:
+        _install._memo.reset(token)
+    assert all(p.__class__ is torch.Tensor for p in sana._modulation(table, timestep, B))  # autograd on
+    with torch.no_grad():
+        column = torch.randn(6, 1, generator=g).to(dtype)  # [6, 1]: broadcasts over the timestep's width
+        params = sana._modulation(column, timestep, B)
+        expected = (column[None] + timestep.reshape(B, 6, -1)).chunk(6, dim=1)
+        assert all(p.__class__ is torch.Tensor and same_bits(p, e) for p, e in zip(params, expected))
 
 
 def test_accelerate_installs_the_glumbconv_copy_and_an_override_keeps_its_forward():
@@ -547,7 +600,7 @@ def test_refuses_a_changed_diffusers_source(monkeypatch, name):
                     reason="needs triton's interpreter (CPU runs)")
 def test_the_kernels_run_through_the_gate(monkeypatch):
     """fp32 under Triton's interpreter: the gated residual kernel is verified bitwise on
-    Sana's strided [B, 1, D] gates, and the GLU epilogue site plans and is judged at first
+    Sana's Folded gates (a table row + a strided [B, 1, D] timestep view), and the GLU epilogue site plans and is judged at first
     sight; whatever a verdict (the LayerNorm kernel reproduces CUDA's reduction order, the
     interpreter's SiLU is numpy's), the output keeps stock's bits."""
     model = _model("1.0")
@@ -559,7 +612,7 @@ def test_the_kernels_run_through_the_gate(monkeypatch):
         assert_same(run(model, kw), ref)
     verdicts = policy.verdicts()
     assert {v.signature.rsplit(" ", 1)[1] for v in verdicts if v.op == "gated_residual" and v.active} == {
-        "per-sample/strided"}, [v.signature for v in verdicts]
+        "per-sample/strided+table"}, [v.signature for v in verdicts]
     assert any(v.op == "layer_norm_modulate" for v in verdicts), [v.signature for v in verdicts]
     assert any(v.op == "conv_bias_glu" for v in verdicts), [v.signature for v in verdicts]
     assert any(v.op == "linear_attention" and v.active for v in verdicts), [v.signature for v in verdicts]

@@ -24,9 +24,11 @@ modulated once, so each norm and its modulation fuse into one site. The block's
 no-op when the parameters share x's dtype; with other dtypes the sites run eager's
 promotion and the cast follows).
 
-The parameters: `scale_shift_table[None] + timestep.reshape(B, 6, D)` is materialised
-as diffusers does ([B, 6, D], a few kilobytes) and `chunk(6, dim=1)` gives [B, 1, D]
-views, samples 6D apart, read in place by the kernels; the head's likewise ([B, 2, D]).
+The parameters: `scale_shift_table[None] + timestep.reshape(B, 6, D)` is not
+materialised in the blocks: each of its six [B, 1, D] chunks goes to the sites as
+`Folded(table row, timestep view)`, the sum made in the kernels with eager's rounding
+(`_modulation`; the timestep views once a forward, shared by all blocks). The head's
+is materialised as diffusers does ([B, 2, D], chunked into views read in place).
 
 The feed-forward's activations are the modulated tokens [B, H*W, D] viewed as NCHW
 (`unflatten(1, (H, W)).permute(0, 3, 1, 2)`, no copy): a channels-last layout that
@@ -83,6 +85,7 @@ import weakref
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 from diffusers.models import attention_processor as _attention_module
 from diffusers.models.attention_processor import Attention, SanaLinearAttnProcessor2_0
 from diffusers.models.transformers.sana_transformer import (
@@ -142,13 +145,13 @@ def _block_forward(
     batch_size = hidden_states.shape[0]
 
     # 1. Modulation
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
-        # diffusers: self.scale_shift_table[None] + timestep.reshape(batch_size, 6, -1)
-        # bitfuse: [6, D] broadcasts as [1, 6, D] does (the same sum, contiguous [B, 6, D]) without the
-        # bitfuse: indexing op; under tracing as stock writes it (the same graph)
-        (self.scale_shift_table[None] if torch.compiler.is_compiling() else self.scale_shift_table)
-        + timestep.reshape(batch_size, 6, -1)
-    ).chunk(6, dim=1)
+    # diffusers: shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
+    # diffusers:     self.scale_shift_table[None] + timestep.reshape(batch_size, 6, -1)
+    # diffusers: ).chunk(6, dim=1)
+    # bitfuse: the six as Folded(table row, timestep view), added in the sites' kernels (`_modulation`)
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = _modulation(
+        self.scale_shift_table, timestep, batch_size
+    )
 
     # 2. Self Attention
     # diffusers: norm_hidden_states = self.norm1(hidden_states)
@@ -190,6 +193,39 @@ def _block_forward(
     hidden_states = sites.gated_residual_site(hidden_states, ff_output, gate_mlp)
 
     return hidden_states
+
+
+#: a block's scale_shift_table -> (its storage's address, its six rows as views)
+_table_rows = WeakIdKeyDictionary()
+
+
+def _modulation(table, timestep, batch_size):
+    """`(table[None] + timestep.reshape(batch_size, 6, -1)).chunk(6, dim=1)`: six
+    [B, 1, D] parameters, as `sites.Folded(table[i], timestep view i)` (each one's
+    `value()` is that chunk, bit for bit: the same elementwise sum, the same type
+    promotion), which the sites' kernels add on the fly with eager's rounding, so
+    no block runs the add and the chunk. The timestep views are made once a forward
+    for all blocks (the forward's memo: the same tensor, not modified since), the
+    table rows once per table (while its storage stays where it was). Under tracing,
+    with autograd recording (the cached rows are no-grad views), or for a table that is
+    not [6, D] of the timestep's width, as stock computes it."""
+    if torch.compiler.is_compiling() or torch.is_grad_enabled() or table.dim() != 2 or table.shape[0] != 6 \
+            or timestep.dim() != 2 or timestep.shape[0] != batch_size or timestep.shape[1] != 6 * table.shape[1]:
+        return (table[None] + timestep.reshape(batch_size, 6, -1)).chunk(6, dim=1)
+    memo = _install.forward_memo()
+    views = None
+    if memo is not None:
+        hit = memo.get("sana modulation")
+        if hit is not None and hit[0] is timestep and hit[1] == timestep._version:
+            views = hit[2]
+    if views is None:
+        views = timestep.reshape(batch_size, 6, -1).chunk(6, dim=1)
+        if memo is not None:
+            memo["sana modulation"] = (timestep, timestep._version, views)
+    rows = _table_rows.get(table)
+    if rows is None or rows[0] != table.data_ptr():
+        rows = _table_rows[table] = (table.data_ptr(), table.unbind(0))
+    return tuple(sites.Folded(r, v) for r, v in zip(rows[1], views))
 
 
 def _tokens_as_nchw(x, height, width):

@@ -49,7 +49,8 @@ once: within 0.5 ULP of the float64 value at the scale of the modulate's terms (
 rms_norm_modulate).
 
 Shapes: x [B, S, D] or [N, D] with a contiguous last dimension; scale, shift as
-for modulate (Folded parameters are materialised by the caller first); one
+for modulate (tensors broadcasting to x, or Folded: a [D] table row plus a temb
+view, added in the kernel with eager's rounding, as rms_norm_modulate's); one
 dtype. Output: a new contiguous tensor of x's shape and dtype.
 """
 
@@ -92,8 +93,10 @@ from ._params import (
     broadcast_strides,
     common_device_dtype,
     layout_class,
+    load_param,
     rows_of,
     table_of,
+    tables_of,
     value32,
 )
 from .modulate import modulate_reference
@@ -213,7 +216,7 @@ def _layer_norm_modulate_exact_kernel(
     F32: tl.constexpr,  # fp32 compute (Wan): n, 1 + scale, the product and the sum stay fp32; one rounding at the store
     MODE: tl.constexpr,  # 0: modulate; 1: affine, `weight * n + bias` (scale_ptr: weight, shift_ptr: bias; PASS2 = 2)
     AFFINE_FMA: tl.constexpr,  # MODE 1: aten's `gamma * n + beta` as one FMA (nvcc's contraction), else two roundings
-    SCALE_TABLE: tl.constexpr,  # F32 and PASS2 = 2: Folded scale, `table_row + temb` summed in fp32
+    SCALE_TABLE: tl.constexpr,  # Folded scale: `table_row + temb`, summed in fp32 (F32) or rounded to x's dtype
     SHIFT_TABLE: tl.constexpr,
 ):
     L: tl.constexpr = 128
@@ -308,8 +311,10 @@ def _layer_norm_modulate_exact_kernel(
             tl.store(out_ptr + (o_row[:, None] + cols[None, :]), y.to(dtype), mask=m2, cache_modifier=".cs")
         else:
             n = (rstd[:, None] * (xf - mean[:, None])).to(dtype).to(tl.float32)
-            scale = tl.load(scale_ptr + (c_row[:, None] + cols[None, :] * c_sd), mask=m2, other=0.0).to(tl.float32)
-            shift = tl.load(shift_ptr + (h_row[:, None] + cols[None, :] * h_sd), mask=m2, other=0.0).to(tl.float32)
+            scale = load_param(scale_ptr, c_row[:, None] + cols[None, :] * c_sd, m2, scale_table_ptr, cols * ct_sd,
+                               cok, SCALE_TABLE, dtype, False)
+            shift = load_param(shift_ptr, h_row[:, None] + cols[None, :] * h_sd, m2, shift_table_ptr, cols * ht_sd,
+                               cok, SHIFT_TABLE, dtype, False)
             t = (1.0 + scale).to(dtype).to(tl.float32)
             p = (n * t).to(dtype).to(tl.float32)
             tl.store(out_ptr + (o_row[:, None] + cols[None, :]), (p + shift).to(dtype), mask=m2, cache_modifier=".cs")
@@ -322,8 +327,11 @@ def _layer_norm_modulate_exact_kernel(
             else:
                 xf = tl.load(x_ptr + (x_base + col), mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
             n = (rstd3 * (xf - mean3)).to(dtype).to(tl.float32)
-            scale = tl.load(scale_ptr + (c_base + col * c_sd), mask=m, other=0.0).to(tl.float32)
-            shift = tl.load(shift_ptr + (h_base + col * h_sd), mask=m, other=0.0).to(tl.float32)
+            zero = c_base * 0  # table offsets broadcast to the [R, L, 4] tile
+            scale = load_param(scale_ptr, c_base + col * c_sd, m, scale_table_ptr, zero + col * ct_sd, m, SCALE_TABLE,
+                               dtype, False)
+            shift = load_param(shift_ptr, h_base + col * h_sd, m, shift_table_ptr, zero + col * ht_sd, m, SHIFT_TABLE,
+                               dtype, False)
             t = (1.0 + scale).to(dtype).to(tl.float32)
             p = (n * t).to(dtype).to(tl.float32)
             tl.store(out_ptr + (o_base + col), (p + shift).to(dtype), mask=m, cache_modifier=".cs")
@@ -363,37 +371,45 @@ def moments(x, D, inv_d, eps):
 
 @row_kernel("S")
 def _layer_norm_modulate_high_kernel(
-    x_ptr, scale_ptr, shift_ptr, out_ptr,
+    x_ptr, scale_ptr, shift_ptr, out_ptr, scale_table_ptr, shift_table_ptr,
     S, D,
     x_sb, x_ss,
     c_sb, c_ss, c_sd,
     h_sb, h_ss, h_sd,
+    ct_sd, ht_sd,
     eps, inv_d,
     R: tl.constexpr,
     BLOCK_D: tl.constexpr,
     EVEN: tl.constexpr,  # D == BLOCK_D and S % R == 0: no masks
+    SCALE_TABLE: tl.constexpr,  # Folded scale: `table_row + temb`, rounded to x's dtype as eager's add
+    SHIFT_TABLE: tl.constexpr,
 ):
     b, s, r64, rmask = program_rows(S, R)
     cols = tl.arange(0, BLOCK_D)
     x_off = (b * x_sb + s * x_ss)[:, None] + cols[None, :]
     if EVEN:
         m = None
+        col_ok = None
         x = tl.load(x_ptr + x_off, eviction_policy="evict_first").to(tl.float32)
     else:
         m = rmask[:, None] & (cols < D)[None, :]
+        col_ok = cols < D
         x = tl.load(x_ptr + x_off, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
     hi, lo, rstd = moments(x, D, inv_d, eps)
-    scale = tl.load(scale_ptr + ((b * c_sb + s * c_ss)[:, None] + cols[None, :] * c_sd), mask=m)
-    shift = tl.load(shift_ptr + ((b * h_sb + s * h_ss)[:, None] + cols[None, :] * h_sd), mask=m)
+    dtype = out_ptr.dtype.element_ty
+    scale = load_param(scale_ptr, (b * c_sb + s * c_ss)[:, None] + cols[None, :] * c_sd, m, scale_table_ptr,
+                       cols * ct_sd, col_ok, SCALE_TABLE, dtype, False)
+    shift = load_param(shift_ptr, (b * h_sb + s * h_ss)[:, None] + cols[None, :] * h_sd, m, shift_table_ptr,
+                       cols * ht_sd, col_ok, SHIFT_TABLE, dtype, False)
     n = ((x - hi[:, None]) - lo[:, None]) * rstd[:, None]
-    y = modulate_once(n, scale, shift, out_ptr.dtype.element_ty)
+    y = modulate_once(n, scale, shift, dtype)
     tl.store(out_ptr + ((r64 * D)[:, None] + cols[None, :]), y, mask=m, cache_modifier=".cs")
 
 
 _launch_exact = FastLaunch(_layer_norm_modulate_exact_kernel, (
     "D", "WELFORD_FMA", "MEAN_V", "SIG_FMA", "PASS2", "BLOCK_D", "RSQRT_ASM", "R", "F32", "MODE", "AFFINE_FMA",
     "SCALE_TABLE", "SHIFT_TABLE"))
-_launch_high = FastLaunch(_layer_norm_modulate_high_kernel, ("R", "BLOCK_D", "EVEN"))
+_launch_high = FastLaunch(_layer_norm_modulate_high_kernel, ("R", "BLOCK_D", "EVEN", "SCALE_TABLE", "SHIFT_TABLE"))
 
 
 # ---------------------------------------------------------------- launcher
@@ -419,7 +435,12 @@ class LayerNormModulatePlan:
 def plan_layer_norm_modulate(x, scale, shift, eps, tier: str = "lossless"):
     """The guard: a plan for the kernel of `tier` ("lossless": aten's Welford order,
     bit-exact; "high": one pass, one rounding; the sites send fp32 to the lossless
-    kernel), or the reason the call takes the reference."""
+    kernel), or the reason the call takes the reference. scale/shift may be Folded
+    (a table row of x's dtype added on the fly, rounded as eager's add)."""
+    unpacked = tables_of(scale, shift, x)
+    if unpacked.__class__ is str:
+        return unpacked
+    scale, shift, scale_table, shift_table = unpacked
     checked = check_operands(x, scale, shift)
     if checked.__class__ is str:
         return checked
@@ -433,9 +454,11 @@ def plan_layer_norm_modulate(x, scale, shift, eps, tier: str = "lossless"):
             return f"D={D} is not a multiple of 4 (aten takes RowwiseMomentsCUDAKernel)"
         if x.is_contiguous() and x.data_ptr() % (4 * x.element_size()):
             return "x is not 4-element aligned (aten takes RowwiseMomentsCUDAKernel)"
-    key = (x.dtype, x.get_device(), layout_class(c, scale), layout_class(h, shift), "layer_norm", f"D={D}",
+    key = (x.dtype, x.get_device(), layout_class(c, scale) + ("+table" if scale_table is not None else ""),
+           layout_class(h, shift) + ("+table" if shift_table is not None else ""), "layer_norm", f"D={D}",
            "welford" if exact else "one-pass")
-    return LayerNormModulatePlan(x, scale, shift, rows, c, h, float(eps), key, exact)
+    return LayerNormModulatePlan(x, scale, shift, rows, c, h, float(eps), key, exact, scale_table=scale_table,
+                                 shift_table=shift_table)
 
 
 def exact_launch_shape(plan) -> tuple[int, int]:
@@ -473,15 +496,18 @@ def _recipe_of(plan, config=None, stats=None) -> Recipe:
         )
     block_d = next_pow2(r.D)
     R, num_warps = config or high_launch_shape(block_d, r.S, plan.x.element_size(), _HIGH_WARPS)
-    return Recipe((cdiv(r.S, R), r.B), (r.S, r.D, r.sb, r.ss, *plan.c_strides, *plan.h_strides, plan.eps, 1.0 / r.D),
-                  (R, block_d, block_d == r.D and r.S % R == 0), num_warps)
+    ct, ht = plan.scale_table, plan.shift_table
+    return Recipe((cdiv(r.S, R), r.B),
+                  (r.S, r.D, r.sb, r.ss, *plan.c_strides, *plan.h_strides, 0 if ct is None else ct.stride(0),
+                   0 if ht is None else ht.stride(0), plan.eps, 1.0 / r.D),
+                  (R, block_d, block_d == r.D and r.S % R == 0, ct is not None, ht is not None), num_warps)
 
 
 def _operands(exact: bool, x, scale, shift, out, ct, ht, stats=None) -> tuple:
+    tables = (scale if ct is None else ct, shift if ht is None else ht)
     if exact:
-        return (x, scale, shift, out, dummy_stats(x) if stats is None else stats, scale if ct is None else ct,
-                shift if ht is None else ht)
-    return (x, scale, shift, out)
+        return (x, scale, shift, out, dummy_stats(x) if stats is None else stats) + tables
+    return (x, scale, shift, out) + tables
 
 
 def launch_layer_norm_modulate(plan, out=None, config=None, stats=None) -> torch.Tensor:
@@ -731,7 +757,7 @@ SPEC = OpSpec(
     reference64=_reference64,
     terms=_terms,
     make_args=_make_args,
-    layouts=tuple(layout for layout in cases.PARAM_LAYOUTS if not layout.startswith("folded")),
+    layouts=cases.PARAM_LAYOUTS,
 )
 
 
