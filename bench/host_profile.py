@@ -1,15 +1,24 @@
 """Host time of a forward: where the CPU time goes when the GPU waits for it.
 
+    python -m bench.host_profile sana --modes lossless compile     # the preset's own shape
+
+The model of a bench/models.py preset (same options). Prints, per mode, in
+interleaved rounds (--rounds, the order rotated each round), a forward's wall time
+(synchronised) and its host time (until the call returns, without a sync: what the
+CPU takes to enqueue it), median and min: a forward whose wall is little above its
+host time is host-bound, and the host times say by how much one mode's host work
+exceeds another's at the shape users run (Sana, 1024 x 1024: lossless 15.5, compile
+14.2 ms; bench/NOTES.md, fifteenth session). Then, for the last mode, cProfile's
+functions by own time and the top-level aten ops one forward dispatches.
+
+A tiny token count makes GPU work negligible, so that every call's host cost shows:
+
     python -m bench.host_profile ltx2 --layers 4 --batch 1 --video 1 4 4 --audio-tokens 4 --text-tokens 8
 
-The model of a bench/models.py preset (same options); pass a tiny token count, as
-above, so that GPU work is negligible and the wall time of a forward is the host's.
 That is the host time of the tiny shape's calls, not a floor for the real shape: at
 tiny M each linear pays cuBLAS's heuristics, and shape-dependent paths differ (Sana
 at 64 x 64 pixels: lossless 25.3 ms a forward, where the real shape's host time is
-16-18.5; bench/NOTES.md, thirteenth session). Prints ms per forward for each mode
-(in the order of bench/models.py's modes), then for the last of them cProfile's
-functions by own time and the top-level aten ops one forward dispatches.
+16-18.5; bench/NOTES.md, thirteenth session).
 
     python -m bench.host_profile sana --split      # at the preset's own shape
     python -m bench.host_profile sana --pixels 64 --modes eager lossless compile   # the tiny shape
@@ -38,15 +47,26 @@ from bench.models import PresetUnavailable, add_model_arguments, build, resolve
 from bitfuse import modes
 
 
-def wall_ms(call, n: int = 30) -> float:
-    for _ in range(5):
+def host_and_wall(call, n: int = 10, warmup: int = 3, sync=None) -> tuple[list[float], list[float]]:
+    """ms per forward of `call()`, `n` forwards after `warmup`, each on its own: (host,
+    wall). host: until the call returns, unsynchronised (the CPU's time to enqueue the
+    forward; the whole of it where the GPU keeps up); wall: until the device is done
+    (`sync`, default `torch.cuda.synchronize`). Where wall exceeds host by little, the
+    forward is host-bound."""
+    sync = torch.cuda.synchronize if sync is None else sync
+    for _ in range(warmup):
         call()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
+    sync()
+    host, wall = [], []
     for _ in range(n):
+        t0 = time.perf_counter()
         call()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / n * 1e3
+        t1 = time.perf_counter()
+        sync()
+        t2 = time.perf_counter()
+        host.append((t1 - t0) * 1e3)
+        wall.append((t2 - t0) * 1e3)
+    return host, wall
 
 
 def blocks_of(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -113,9 +133,12 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(ap, modes_default=("eager", "lossless"))
     ap.add_argument("--top", type=int, default=40, help="cProfile rows (default 40)")
+    ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds of 10 forwards a mode (default 4)")
     ap.add_argument("--split", action="store_true",
                     help="also the host time per forward split over the blocks' children, per mode")
     args = resolve(ap, ap.parse_args(argv))
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     if not torch.cuda.is_available() or args.device.type != "cuda":
         print("bench/host_profile.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -131,12 +154,23 @@ def main(argv=None) -> int:
         with torch.no_grad():
             return model(**kwargs)
 
+    samples = {mode: ([], []) for mode in args.modes}
+    for r in range(args.rounds):  # interleaved, the order rotated each round
+        for mode in args.modes[r % len(args.modes):] + args.modes[:r % len(args.modes)]:
+            with modes.entered(mode, model):
+                host, wall = host_and_wall(call)
+            samples[mode][0].extend(host)
+            samples[mode][1].extend(wall)
+    print(f"ms a forward, {args.rounds} interleaved rounds x 10: wall (synchronised) and host (the call's "
+          "return, no sync), median / min")
+    for mode, (host, wall) in samples.items():
+        print(f"{mode:<9} wall {statistics.median(wall):8.2f} / {min(wall):8.2f}   "
+              f"host {statistics.median(host):8.2f} / {min(host):8.2f}")
     for i, mode in enumerate(args.modes):
         with modes.entered(mode, model):
-            print(f"{mode:<9} {wall_ms(call):8.2f} ms/forward")
             if args.split:
                 split = module_split(model, call)
-                print("  host ms: " + ", ".join(f"{k} {v:.2f}" for k, v in split.items()))
+                print(f"{mode:<9} host ms: " + ", ".join(f"{k} {v:.2f}" for k, v in split.items()))
             if i < len(args.modes) - 1:
                 continue
             prof = cProfile.Profile()

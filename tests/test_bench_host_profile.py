@@ -35,3 +35,16 @@ def test_the_split_hooks_only_non_leaf_children_and_adds_up():
 def test_a_model_without_blocks_is_refused():
     with pytest.raises(ValueError, match="no repeated blocks"):
         host_profile.module_split(torch.nn.Linear(2, 2), lambda: None)
+
+
+def test_host_and_wall_times_each_forward_apart():
+    """host: until the call returns; wall: until the sync returns as well (here a sync
+    that takes 20 ms: a device still busy after the call)."""
+    import time
+
+    calls, syncs = [], []
+    host, wall = host_profile.host_and_wall(lambda: calls.append(1), n=3, warmup=2,
+                                            sync=lambda: (syncs.append(1), time.sleep(0.02)))
+    assert len(calls) == 5 and len(syncs) == 4  # one sync after the warm-up, one a timed forward
+    assert len(host) == len(wall) == 3
+    assert all(h < 5 and w >= h + 19 for h, w in zip(host, wall))
