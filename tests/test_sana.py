@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import gc
 import os
 import re
 import threading
@@ -300,6 +301,10 @@ def test_modulation_parameters_are_the_stock_chunks(dtype):
     finally:
         _install._memo.reset(token)
     assert all(p.__class__ is torch.Tensor for p in sana._modulation(table, timestep, B))  # autograd on
+    entries = len(sana._table_rows)
+    del table, first, again  # the cached rows do not keep the table alive
+    gc.collect()
+    assert len(sana._table_rows) == entries - 1
     with torch.no_grad():
         column = torch.randn(6, 1, generator=g).to(dtype)  # [6, 1]: broadcasts over the timestep's width
         params = sana._modulation(column, timestep, B)

@@ -224,7 +224,8 @@ def _modulation(table, timestep, batch_size):
             memo["sana modulation"] = (timestep, timestep._version, views)
     rows = _table_rows.get(table)
     if rows is None or rows[0] != table.data_ptr():
-        rows = _table_rows[table] = (table.data_ptr(), table.unbind(0))
+        # (rows of a detached alias: views of the Parameter itself would keep it, the key, alive)
+        rows = _table_rows[table] = (table.data_ptr(), table.detach().unbind(0))
     return tuple(sites.Folded(r, v) for r, v in zip(rows[1], views))
 
 
