@@ -167,11 +167,14 @@ def main(argv=None) -> int:
         print(f"{mode:<9} wall {statistics.median(wall):8.2f} / {min(wall):8.2f}   "
               f"host {statistics.median(host):8.2f} / {min(host):8.2f}")
     for i, mode in enumerate(args.modes):
+        last = i == len(args.modes) - 1
+        if not (args.split or last):
+            continue
         with modes.entered(mode, model):
             if args.split:
                 split = module_split(model, call)
                 print(f"{mode:<9} host ms: " + ", ".join(f"{k} {v:.2f}" for k, v in split.items()))
-            if i < len(args.modes) - 1:
+            if not last:
                 continue
             prof = cProfile.Profile()
             prof.enable()

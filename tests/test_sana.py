@@ -239,11 +239,12 @@ def _ff_layouts(model, kw) -> list:
 
 def test_parameters_and_the_ff_layout_reach_the_sites_as_eager_builds_them(monkeypatch):
     """Every block's scale/shift/gate is Folded([D] table row, [B, 1, D] view of the
-    timestep embedding), the head's a [B, 2, D] view of its sum, read in place; the FF's input, which the SiLU epilogue site receives, is the norm2
-    site's modulated tokens viewed as channels-last NCHW (no copy), as in eager; the GLU
-    epilogue site's input (the depthwise convolution's) keeps that layout, and so does its
-    output (the pointwise convolution's input): every convolution sees the layout it sees
-    in eager (cuDNN's backend choice depends on it)."""
+    timestep embedding), the head's a [B, 2, D] view of its sum, read in place; the FF's
+    input, which the SiLU epilogue site receives, is the norm2 site's modulated tokens
+    viewed as channels-last NCHW (no copy), as in eager; the GLU epilogue site's input (the
+    depthwise convolution's) keeps that layout, and so does its output (the pointwise
+    convolution's input): every convolution sees the layout it sees in eager (cuDNN's
+    backend choice depends on it)."""
     model = _model("1.0")
     B, D = 2, model.config.num_attention_heads * model.config.attention_head_dim
     kw = _inputs(model, B)
@@ -271,8 +272,8 @@ def test_modulation_parameters_are_the_stock_chunks(dtype):
     `table[None] + timestep.reshape(B, 6, -1)` bit for bit (shape, dtype, values, a
     bf16 table with an fp32 timestep promoting as eager does); inside a forward the
     timestep views are made once and reused while the tensor is unmodified; the table
-    rows follow the table's storage (`.data` replaced); stock's own tensors with
-    autograd recording and for a table of another shape."""
+    rows follow the table's storage (`.data` replaced) and do not keep a dropped table
+    alive; stock's own tensors with autograd recording and for a table of another shape."""
     from bitfuse.models import _install
 
     g = torch.Generator().manual_seed(0)
@@ -605,9 +606,10 @@ def test_refuses_a_changed_diffusers_source(monkeypatch, name):
                     reason="needs triton's interpreter (CPU runs)")
 def test_the_kernels_run_through_the_gate(monkeypatch):
     """fp32 under Triton's interpreter: the gated residual kernel is verified bitwise on
-    Sana's Folded gates (a table row + a strided [B, 1, D] timestep view), and the GLU epilogue site plans and is judged at first
-    sight; whatever a verdict (the LayerNorm kernel reproduces CUDA's reduction order, the
-    interpreter's SiLU is numpy's), the output keeps stock's bits."""
+    Sana's Folded gates (a table row + a strided [B, 1, D] timestep view), and the GLU
+    epilogue site plans and is judged at first sight; whatever a verdict (the LayerNorm
+    kernel reproduces CUDA's reduction order, the interpreter's SiLU is numpy's), the
+    output keeps stock's bits."""
     model = _model("1.0")
     kw = _inputs(model, 2, 3, text_lengths=[2, 3])
     ref = run(model, kw)
