@@ -4,12 +4,15 @@
 
 The model of a bench/models.py preset (same options). Prints, per mode, in
 interleaved rounds (--rounds, the order rotated each round), a forward's wall time
-(synchronised) and its host time (until the call returns, without a sync: what the
-CPU takes to enqueue it), median and min: a forward whose wall is little above its
-host time is host-bound, and the host times say by how much one mode's host work
-exceeds another's at the shape users run (Sana, 1024 x 1024: lossless 15.5, compile
-14.2 ms; bench/NOTES.md, fifteenth session). Then, for the last mode, cProfile's
-functions by own time and the top-level aten ops one forward dispatches.
+(synchronised), its host time (until the call returns, without a sync: what the
+CPU takes to enqueue it) and the thread's CPU time in that call, median and min: a
+forward whose wall is little above its host time is host-bound, and the host times
+say by how much one mode's host work exceeds another's at the shape users run (Sana,
+1024 x 1024: lossless 15.5, compile 14.2 ms; bench/NOTES.md, fifteenth session). On
+a shared host whose other work takes the CPU away, host exceeds cpu (and the load
+average, printed, is high): cpu is then the measure of the work itself. Then, for
+the last mode (in bench/models.py's order: eager, lossless, ..., compile),
+cProfile's functions by own time and the top-level aten ops one forward dispatches.
 
 A tiny token count makes GPU work negligible, so that every call's host cost shows:
 
@@ -36,6 +39,7 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
+import os
 import pstats
 import statistics
 import sys
@@ -47,26 +51,31 @@ from bench.models import PresetUnavailable, add_model_arguments, build, resolve
 from bitfuse import modes
 
 
-def host_and_wall(call, n: int = 10, warmup: int = 3, sync=None) -> tuple[list[float], list[float]]:
+def host_and_wall(call, n: int = 10, warmup: int = 3, sync=None) -> tuple[list[float], list[float], list[float]]:
     """ms per forward of `call()`, `n` forwards after `warmup`, each on its own: (host,
-    wall). host: until the call returns, unsynchronised (the CPU's time to enqueue the
+    wall, cpu). host: until the call returns, unsynchronised (the CPU's time to enqueue the
     forward; the whole of it where the GPU keeps up); wall: until the device is done
-    (`sync`, default `torch.cuda.synchronize`). Where wall exceeds host by little, the
-    forward is host-bound."""
+    (`sync`, default `torch.cuda.synchronize`); cpu: the CPU time this thread spent in
+    the call (`time.thread_time`). Where wall exceeds host by little, the forward is
+    host-bound; where host exceeds cpu, the thread waited for a CPU (a busy host) or
+    blocked in the driver, so cpu is the host work a mode needs, whatever the load."""
     sync = torch.cuda.synchronize if sync is None else sync
     for _ in range(warmup):
         call()
     sync()
-    host, wall = [], []
+    host, wall, cpu = [], [], []
     for _ in range(n):
+        c0 = time.thread_time()
         t0 = time.perf_counter()
         call()
         t1 = time.perf_counter()
+        c1 = time.thread_time()
         sync()
         t2 = time.perf_counter()
         host.append((t1 - t0) * 1e3)
         wall.append((t2 - t0) * 1e3)
-    return host, wall
+        cpu.append((c1 - c0) * 1e3)
+    return host, wall, cpu
 
 
 def blocks_of(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -154,18 +163,19 @@ def main(argv=None) -> int:
         with torch.no_grad():
             return model(**kwargs)
 
-    samples = {mode: ([], []) for mode in args.modes}
+    samples = {mode: ([], [], []) for mode in args.modes}
     for r in range(args.rounds):  # interleaved, the order rotated each round
         for mode in args.modes[r % len(args.modes):] + args.modes[:r % len(args.modes)]:
             with modes.entered(mode, model):
-                host, wall = host_and_wall(call)
-            samples[mode][0].extend(host)
-            samples[mode][1].extend(wall)
-    print(f"ms a forward, {args.rounds} interleaved rounds x 10: wall (synchronised) and host (the call's "
-          "return, no sync), median / min")
-    for mode, (host, wall) in samples.items():
+                for kept, new in zip(samples[mode], host_and_wall(call)):
+                    kept.extend(new)
+    print(f"ms a forward, {args.rounds} interleaved rounds x 10: wall (synchronised), host (the call's "
+          "return, no sync) and cpu (the thread's CPU time in the call), median / min; "
+          f"load average {' '.join(f'{v:.1f}' for v in os.getloadavg())} on {os.cpu_count()} CPUs")
+    for mode, (host, wall, cpu) in samples.items():
         print(f"{mode:<9} wall {statistics.median(wall):8.2f} / {min(wall):8.2f}   "
-              f"host {statistics.median(host):8.2f} / {min(host):8.2f}")
+              f"host {statistics.median(host):8.2f} / {min(host):8.2f}   "
+              f"cpu {statistics.median(cpu):8.2f} / {min(cpu):8.2f}")
     for i, mode in enumerate(args.modes):
         last = i == len(args.modes) - 1
         if not (args.split or last):

@@ -533,11 +533,16 @@ class Workload:
             return self.model(**self.kwargs)
 
     def _timed(self):
+        """(ms of the synchronised forward, the thread's CPU ms until the call returned,
+        the output). The CPU time leaves out the sync (a spinning wait) and any time the
+        thread waited for a CPU: on a shared host, the host work the mode itself needs."""
         sync(self.device)
+        c0 = time.thread_time()
         t0 = time.perf_counter()
         out = self._call()
+        c1 = time.thread_time()
         sync(self.device)
-        return (time.perf_counter() - t0) * 1e3, out
+        return (time.perf_counter() - t0) * 1e3, (c1 - c0) * 1e3, out
 
     @contextlib.contextmanager
     def _entered(self, mode):
@@ -600,7 +605,7 @@ class Workload:
         peak_reset(self.device)
         frames = _dynamo_frames()
         with self._entered(mode):
-            ms, out = self._timed()
+            ms, _, out = self._timed()
             rec["first_call_s"] = ms / 1e3
             outs = tensors_of(out)
             if mode == "eager":
@@ -610,7 +615,7 @@ class Workload:
             _merge(rec, check)
             del out, outs
             # the second call: where bitfuse verifies the kernels the first compiled in the background
-            ms, out = self._timed()
+            ms, _, out = self._timed()
             rec["second_call_s"] = ms / 1e3
             _merge(rec, compare(tensors_of(out), self.reference))
             del out
@@ -633,15 +638,19 @@ class Workload:
             self._call()
             sync(self.device)
             reentry = time.perf_counter() - t0
-            times = []
+            times, cpu = [], []
+            load = os.getloadavg()[0]
             with self.sampler.tagged(mode):
                 for _ in range(self.args.per_round):
-                    ms, out = self._timed()
+                    ms, cpu_ms, out = self._timed()
                     times.append(ms)
+                    cpu.append(cpu_ms)
             check = compare(tensors_of(out), self.reference)
             del out
             peak = peak_gib(self.device)
         rec.setdefault("rounds_ms", []).append([round(t, 4) for t in times])
+        rec.setdefault("rounds_cpu_ms", []).append([round(t, 4) for t in cpu])
+        rec.setdefault("load_1min", []).append(round(load, 2))
         rec.setdefault("reentry_s", []).append(round(reentry, 4))
         rec.setdefault("differing_per_round", []).append(check["differing"])
         _merge(rec, check)
@@ -659,6 +668,9 @@ class Workload:
                 continue
             s = summary(samples)
             rec.update(ms=s["median"], ms_min=s["min"], ms_p90=s["p90"], samples=s["n"])
+            cpu = [t for r in rec.get("rounds_cpu_ms", []) for t in r]
+            if cpu:
+                rec["cpu_ms"] = summary(cpu)["median"]
             ms[mode] = s["median"]
             gpu = self.sampler.summary(mode)
             if gpu is not None:

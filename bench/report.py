@@ -250,9 +250,21 @@ def models_section(path):
                          f"{_f(r.get('speedup_vs_compile'), '.2f', '×')} | {_differ(mode, r)} | "
                          f"{_f(r.get('first_call_s'), '.1f')} | {_f(r.get('peak_mem_gib'), '.1f')} | {_split(r)} | "
                          f"{_gpu(r)} | {verdicts} |")
+        lines += _host_line(w["modes"])
     for note in res.get("notes", []):
         lines += ["", f"Note: {note}"]
     return lines
+
+
+def _host_line(modes: dict) -> list[str]:
+    """The host's state over the rounds and each mode's CPU time a forward (runs that
+    record them): a busy host stretches the host-bound modes, the CPU time does not."""
+    loads = [v for r in modes.values() for v in r.get("load_1min", [])]
+    cpu = [f"{MODE_LABELS.get(m, m)} {r['cpu_ms']:.2f}" for m, r in modes.items() if r.get("cpu_ms") is not None]
+    if not loads or not cpu:
+        return []
+    return ["", f"Host: load average (1 min) {min(loads):.1f}–{max(loads):.1f} over the rounds; the thread's CPU "
+            "time a forward until the call returns (no sync), median ms: " + ", ".join(cpu) + "."]
 
 
 # ---------------------------------------------------------------- headline

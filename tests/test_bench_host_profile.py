@@ -39,12 +39,24 @@ def test_a_model_without_blocks_is_refused():
 
 def test_host_and_wall_times_each_forward_apart():
     """host: until the call returns; wall: until the sync returns as well (here a sync
-    that takes 20 ms: a device still busy after the call)."""
+    that takes 20 ms: a device still busy after the call); cpu: the thread's CPU time in
+    the call (a call that sleeps 20 ms takes almost none, one that computes takes its
+    host time)."""
     import time
 
     calls, syncs = [], []
-    host, wall = host_profile.host_and_wall(lambda: calls.append(1), n=3, warmup=2,
-                                            sync=lambda: (syncs.append(1), time.sleep(0.02)))
+    host, wall, cpu = host_profile.host_and_wall(lambda: calls.append(1), n=3, warmup=2,
+                                                 sync=lambda: (syncs.append(1), time.sleep(0.02)))
     assert len(calls) == 5 and len(syncs) == 4  # one sync after the warm-up, one a timed forward
-    assert len(host) == len(wall) == 3
-    assert all(h < 5 and w >= h + 19 for h, w in zip(host, wall))
+    assert len(host) == len(wall) == len(cpu) == 3
+    assert all(h < 5 and w >= h + 19 and c <= h + 1 for h, w, c in zip(host, wall, cpu))
+
+    def busy():
+        end = time.thread_time() + 0.02
+        while time.thread_time() < end:
+            pass
+
+    host, wall, cpu = host_profile.host_and_wall(lambda: time.sleep(0.02), n=2, warmup=0, sync=lambda: None)
+    assert all(h >= 19 and c < 5 for h, c in zip(host, cpu))  # waiting, not computing
+    host, wall, cpu = host_profile.host_and_wall(busy, n=2, warmup=0, sync=lambda: None)
+    assert all(c >= 19 and h >= c - 1 for h, c in zip(host, cpu))  # computing: its CPU time is its host time

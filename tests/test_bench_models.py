@@ -314,6 +314,8 @@ def test_rounds_rotate_and_every_mode_keeps_its_own_samples():
     assert [what for what, _ in log].count("undo") == 4 + 12  # every entry that succeeded was undone
     for mode in live:
         assert len(m[mode]["rounds_ms"]) == 3 and all(len(r) == 2 for r in m[mode]["rounds_ms"])
+        assert len(m[mode]["rounds_cpu_ms"]) == 3 and all(len(r) == 2 for r in m[mode]["rounds_cpu_ms"])
+        assert len(m[mode]["load_1min"]) == 3 and m[mode]["cpu_ms"] >= 0
         assert m[mode]["samples"] == 6 and m[mode]["ms_min"] <= m[mode]["ms"] <= m[mode]["ms_p90"]
         assert m[mode]["speedup_vs_eager"] == pytest.approx(m["eager"]["ms"] / m[mode]["ms"])
         assert m[mode]["speedup_vs_compile"] is None

@@ -24,7 +24,7 @@ def _models_result(status="complete"):
                         warm=dict(error="exit 1")),
         workloads={"per-sample": dict(describe="B=2, per-sample timestep", inputs=dict(timestep=[2]), modes=dict(
             eager=mode(900.0, 0, 1.0, 0.7, kernels=kernels, gpu=gpu),
-            lossless=mode(680.0, 0, 1.32, 0.96, verdicts=dict(verified=40)),
+            lossless=mode(680.0, 0, 1.32, 0.96, verdicts=dict(verified=40), cpu_ms=12.5, load_1min=[3.0, 9.5]),
             graphs=dict(error="round 2: RuntimeError: capture failed"),
             compile=mode(655.0, 900, 1.37, 1.0),
         ))},
@@ -46,6 +46,8 @@ def test_models_section_and_headline(tmp_path):
     assert "| lossless + CUDA graphs | failed: round 2: RuntimeError: capture failed |" in text
     assert "| regional torch.compile | 655.00" in text and "900 of 1,000" in text
     assert "Note: clock and power not recorded" in text
+    assert "Host: load average (1 min) 3.0–9.5 over the rounds; the thread's CPU time a forward until the call " \
+           "returns (no sync), median ms: lossless 12.50." in text
     (line,) = report.headline(None, [str(path)])[:-1]
     assert line.startswith("- ltx2, 48 layers, per-sample (B=2, per-sample timestep): eager 900.0 ms; ")
     assert "lossless 680.0 ms (1.32×, 0 of 1,000 elements differ)" in line
