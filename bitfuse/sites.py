@@ -163,9 +163,24 @@ def _meta(t):
     if isinstance(t, torch.Tensor):
         return (t.shape, t.stride(), t.dtype, t.get_device())
     if t.__class__ is Folded and isinstance(t.table, torch.Tensor) and isinstance(t.temb, torch.Tensor):
+        if t.meta is not None:
+            return t.meta
         a, b = t.table, t.temb
         return (Folded, a.shape, a.stride(), a.dtype, a.get_device(), b.shape, b.stride(), b.dtype, b.get_device())
     return None
+
+
+def tensor_meta(t: torch.Tensor) -> tuple:
+    """What a call key reads of a tensor: (shape, strides, dtype, device index)."""
+    return (t.shape, t.stride(), t.dtype, t.get_device())
+
+
+def folded_with_meta(table: torch.Tensor, temb: torch.Tensor, table_meta: tuple, temb_meta: tuple) -> Folded:
+    """`Folded(table, temb)` carrying its call-key metadata, from `tensor_meta` of each
+    made once by a caller whose tensors are its own views (no one else holds them, so
+    their shapes and strides cannot change) and share it (Sana: the table rows of every
+    block, the timestep's six views of a forward): the sites' keys do not read it again."""
+    return Folded(table, temb, (Folded, *table_meta, *temb_meta))
 
 
 def _metas(obj):
@@ -850,6 +865,8 @@ def unpack_linears(*linears) -> None:
 
 __all__ = [
     "Folded",
+    "folded_with_meta",
+    "tensor_meta",
     "Site",
     "MountError",
     "mark_site",

@@ -270,7 +270,8 @@ def test_parameters_and_the_ff_layout_reach_the_sites_as_eager_builds_them(monke
 def test_modulation_parameters_are_the_stock_chunks(dtype):
     """`sana._modulation`: six Folded parameters whose values are stock's chunks of
     `table[None] + timestep.reshape(B, 6, -1)` bit for bit (shape, dtype, values, a
-    bf16 table with an fp32 timestep promoting as eager does); inside a forward the
+    bf16 table with an fp32 timestep promoting as eager does), each carrying the
+    call-key metadata the sites would read of it; inside a forward the
     timestep views are made once and reused while the tensor is unmodified; the table
     rows follow the table's storage (`.data` replaced) and do not keep a dropped table
     alive; stock's own tensors with autograd recording and for a table of another shape."""
@@ -287,6 +288,8 @@ def test_modulation_parameters_are_the_stock_chunks(dtype):
             assert all(p.__class__ is _params.Folded for p in params)
             for p, e in zip(params, stock(timestep)):
                 assert p.shape == e.shape and same_bits(p.value(), e)
+                # the metadata they carry is what a call key would read of them
+                assert p.meta is not None and sites._meta(p) == sites._meta(_params.Folded(p.table, p.temb))
     timestep = torch.randn(B, 6 * D, generator=g).to(dtype)
     token = _install._memo.set({})
     try:
@@ -299,6 +302,15 @@ def test_modulation_parameters_are_the_stock_chunks(dtype):
             assert all(same_bits(p.value(), e) for p, e in zip(again, stock(timestep)))
             table.data = torch.randn(6, D, generator=g).to(dtype)
             assert all(same_bits(p.value(), e) for p, e in zip(sana._modulation(table, timestep, B), stock(timestep)))
+            table.data = torch.randn(6, 2 * D, generator=g).to(dtype)[:, ::2]  # strided rows: their own metadata
+            params = sana._modulation(table, timestep, B)
+            assert all(p.meta == sites._meta(_params.Folded(p.table, p.temb)) and p.meta[2] == (2,) for p in params)
+            assert all(same_bits(p.value(), e) for p, e in zip(params, stock(timestep)))
+            if dtype is torch.bfloat16:  # the same address and strides, another dtype: new rows
+                table.data = table.data.view(torch.float16)
+                params = sana._modulation(table, timestep, B)
+                assert all(p.table.dtype is torch.float16 for p in params)
+                assert all(same_bits(p.value(), e) for p, e in zip(params, stock(timestep)))
     finally:
         _install._memo.reset(token)
     assert all(p.__class__ is torch.Tensor for p in sana._modulation(table, timestep, B))  # autograd on

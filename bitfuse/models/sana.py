@@ -206,7 +206,8 @@ def _modulation(table, timestep, batch_size):
     promotion), which the sites' kernels add on the fly with eager's rounding, so
     no block runs the add and the chunk. The timestep views are made once a forward
     for all blocks (the forward's memo: the same tensor, not modified since), the
-    table rows once per table (while its storage stays where it was). Under tracing,
+    table rows once per table (while its data stays where and as it was: address,
+    strides, dtype), each with its call-key metadata (`sites.folded_with_meta`). Under tracing,
     with autograd recording (the cached rows are no-grad views), or for a table that is
     not [6, D] of the timestep's width, as stock computes it."""
     if torch.compiler.is_compiling() or torch.is_grad_enabled() or table.dim() != 2 or table.shape[0] != 6 \
@@ -220,13 +221,16 @@ def _modulation(table, timestep, batch_size):
             views = hit[2]
     if views is None:
         views = timestep.reshape(batch_size, 6, -1).chunk(6, dim=1)
+        views = tuple((v, sites.tensor_meta(v)) for v in views)
         if memo is not None:
             memo["sana modulation"] = (timestep, timestep._version, views)
     rows = _table_rows.get(table)
-    if rows is None or rows[0] != table.data_ptr():
+    where = (table.data_ptr(), table.stride(), table.dtype)
+    if rows is None or rows[0] != where:
         # (rows of a detached alias: views of the Parameter itself would keep it, the key, alive)
-        rows = _table_rows[table] = (table.data_ptr(), table.detach().unbind(0))
-    return tuple(sites.Folded(r, v) for r, v in zip(rows[1], views))
+        rows = _table_rows[table] = (where, tuple((r, sites.tensor_meta(r)) for r in table.detach().unbind(0)))
+    # (our own views, held by no one else: their call-key metadata made once, `sites.folded_with_meta`)
+    return tuple(sites.folded_with_meta(r, v, rm, vm) for (r, rm), (v, vm) in zip(rows[1], views))
 
 
 def _tokens_as_nchw(x, height, width):

@@ -126,13 +126,17 @@ class Folded:
     the sum. Passed as the two operands instead, a kernel adds them on the fly
     with the same rounding, and the [B, T, n, D] tensor is never written.
     `value()` is eager's tensor (elementwise, so the same bits as the unbind view).
+    `meta`: the call-key metadata the sites would read of the two tensors, given by a
+    maker whose tensors are its own views (their metadata cannot change:
+    `sites.folded_with_meta`); None: read on every call.
     """
 
-    __slots__ = ("table", "temb")
+    __slots__ = ("table", "temb", "meta")
 
-    def __init__(self, table: torch.Tensor, temb: torch.Tensor):
+    def __init__(self, table: torch.Tensor, temb: torch.Tensor, meta: tuple | None = None):
         self.table = table  # [D]: one row of the table
         self.temb = temb  # [B, T, D]: a view of the timestep embedding
+        self.meta = meta
 
     def value(self) -> torch.Tensor:
         return self.table + self.temb
