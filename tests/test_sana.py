@@ -306,6 +306,14 @@ def test_modulation_parameters_are_the_stock_chunks(dtype):
             params = sana._modulation(table, timestep, B)
             assert all(p.meta == sites._meta(_params.Folded(p.table, p.temb)) and p.meta[2] == (2,) for p in params)
             assert all(same_bits(p.value(), e) for p, e in zip(params, stock(timestep)))
+            wide = table.data
+            table.data = wide[:, : D // 2]  # the same address and strides, a narrower row: new rows
+            half = timestep[:, : 3 * D]
+            params = sana._modulation(table, half, B)
+            assert all(p.table.shape == (D // 2,) for p in params)
+            assert all(same_bits(p.value(), e) for p, e in zip(params, (table[None] + half.reshape(B, 6, -1)).chunk(6, 1)))
+            table.data = wide
+            params = sana._modulation(table, timestep, B)
             if dtype is torch.bfloat16:  # the same address and strides, another dtype: new rows
                 table.data = table.data.view(torch.float16)
                 params = sana._modulation(table, timestep, B)

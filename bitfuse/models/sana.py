@@ -207,7 +207,7 @@ def _modulation(table, timestep, batch_size):
     no block runs the add and the chunk. The timestep views are made once a forward
     for all blocks (the forward's memo: the same tensor, not modified since), the
     table rows once per table (while its data stays where and as it was: address,
-    strides, dtype), each with its call-key metadata (`sites.folded_with_meta`). Under tracing,
+    shape, strides, dtype, device), each with its call-key metadata (`sites.folded_with_meta`). Under tracing,
     with autograd recording (the cached rows are no-grad views), or for a table that is
     not [6, D] of the timestep's width, as stock computes it."""
     if torch.compiler.is_compiling() or torch.is_grad_enabled() or table.dim() != 2 or table.shape[0] != 6 \
@@ -225,7 +225,7 @@ def _modulation(table, timestep, batch_size):
         if memo is not None:
             memo["sana modulation"] = (timestep, timestep._version, views)
     rows = _table_rows.get(table)
-    where = (table.data_ptr(), table.stride(), table.dtype)
+    where = (table.data_ptr(), *sites.tensor_meta(table))  # (a narrower slice at the same address: new rows)
     if rows is None or rows[0] != where:
         # (rows of a detached alias: views of the Parameter itself would keep it, the key, alive)
         rows = _table_rows[table] = (where, tuple((r, sites.tensor_meta(r)) for r in table.detach().unbind(0)))
