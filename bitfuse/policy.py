@@ -247,6 +247,36 @@ def gated(spec: OpSpec, tier: str, plan, args: tuple, fallback=None, site_key=No
     return _verify(key, spec, tier, plan, args, fallback)
 
 
+def fact(name: str, sig: tuple, check) -> bool:
+    """Whether a fact about the running build holds for signature `sig`, checked at first
+    sight as the gate checks a kernel: `check()` (eager ops only, on the call's own
+    operands) returns None where the fact holds, else why not. Recorded as a verdict
+    (`name[lossless] <sig>`: listed by `verdicts`, a miss warns once and is kept for the
+    process); False, without checking, inside tracing or capture (nothing unverified
+    runs there) and under BITFUSE_DISABLE; checked on every call under
+    BITFUSE_VERIFY=always. An exception in `check` is recorded as an error (False)."""
+    key = (name, "lossless", sig)
+    state = _state.get(key)
+    if state is not None and not VERIFY_ALWAYS:
+        return state
+    if state is False or DISABLED or compiling() or capturing():
+        return False
+    with _lock:
+        try:
+            why = check()
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - recorded: the fact does not hold here
+            _record(key, "error", f"{type(exc).__name__}: {exc}")
+            return False
+        if why is None:
+            if key not in _verdicts:
+                _record(key, "verified")
+            return True
+        _record(key, "mismatch", why)
+        return False
+
+
 def _poisoned(ref):
     """NaN-filled outputs, row-major, as the launchers' `out=` takes them."""
     if ref.__class__ is tuple:

@@ -48,7 +48,7 @@ from .ops import (
     rms_norm_modulate,
     rotary,
 )
-from .ops._params import Folded, value, value32
+from .ops._params import Folded, common_device_dtype, value, value32
 
 _MODULATE = modulate.SPEC
 _GATED_RESIDUAL = gated_residual.SPEC
@@ -243,10 +243,11 @@ def modulate_site(x, scale, shift):
 def gated_residual_site(x, y, gate):
     """`x + y * gate` (also `x + gate * y`: the product commutes bitwise), bit-exact
     in every tier. x, y: the same shape [B, S, D] or [N, D]; gate broadcasts to it
-    (or Folded). Returns a tensor of x's shape and dtype, laid out as eager's (a
+    (or Folded); y may be Folded too (a layer's output and the bias eager adds
+    after it: `linear_bias_split`, `conv_bias_split`). Returns a tensor of x's shape and dtype, laid out as eager's (a
     permuted x, whose eager result keeps its layout, takes eager)."""
     if _plain():
-        return x + y * value(gate)
+        return x + value(y) * value(gate)
     args = (x, y, gate)
     site_key = _call_key("gated_residual", _meta(x), _meta(y), _meta(gate))
     out = _bound(site_key, args)
@@ -755,6 +756,79 @@ def conv_bias_glu_site(conv, act, x):
     return hidden * act(gate)
 
 
+# ---------------------------------------------------------------- a layer's bias left to its consumer
+#
+# Where eager adds a layer's bias as an elementwise op of its own after the product, the
+# product and the bias go on as `Folded(bias, product)`, whose `value()` is eager's
+# tensor bit for bit, to a consumer that adds the bias in its own kernel with eager's
+# rounding (the gated residual's y): the add never runs as an op. Which aten path adds
+# the bias separately is a fact of the running build, checked at first sight per
+# geometry against the module's own call (`policy.fact`); elsewhere the module's call.
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _split_holds(ref, bias, product):
+    """None where `bias + product` is `ref` bit for bit (values and layout), else why not."""
+    value_ = bias + product
+    if not policy.same_bits(value_, ref):
+        return f"{policy.differing(value_, ref)} of {ref.numel()} elements differ from the layer's own call"
+    if value_.stride() != ref.stride():
+        return f"the sum's strides {value_.stride()} are not the layer's {ref.stride()}"
+    return None
+
+
+def linear_bias_split(linear, x):
+    """`linear(x)` for an `nn.Linear` with a bias, as `Folded(bias, torch.matmul(x,
+    weight.t()))` where eager's `F.linear` is that matmul followed by `add_(bias)` (aten's
+    `linear` for an x that is neither 2-D nor contiguous: Sana's `to_out` reads the
+    linear attention's transposed output), checked at first sight per geometry; else
+    `linear(x)` itself. x: [B, N, K], the weight's dtype and device. Returns a Folded
+    or a tensor; `value()` of the Folded is the layer's output, bit for bit."""
+    if _plain() or type(linear) is not torch.nn.Linear or not _plain_module(linear) or torch.is_grad_enabled():
+        return linear(x)
+    p = linear._parameters
+    w, b = p["weight"], p["bias"]
+    if b is None or x.__class__ is not torch.Tensor or x.dim() != 3 or x.is_contiguous() \
+            or w.__class__ not in _PLAIN_TENSORS or b.__class__ not in _PLAIN_TENSORS \
+            or common_device_dtype(x, w, b):
+        return torch.nn.functional.linear(x, w, b)
+    sig = ("3-D x, not contiguous", x.dtype, x.get_device(), tuple(x.shape), x.stride(), tuple(w.shape), w.stride(),
+           b.stride())
+    if not policy.fact("linear_bias_split", sig,
+                       lambda: _split_holds(torch.nn.functional.linear(x, w, b), b, torch.matmul(x, w.t()))):
+        return torch.nn.functional.linear(x, w, b)
+    return Folded(b, torch.matmul(x, w.t()))
+
+
+def conv_bias_split(conv, x):
+    """`conv(x)` for an `nn.Conv2d` with a bias that eager's backend adds as an op of its
+    own (cuDNN: `at::_convolution` runs `cudnn_convolution`, then `add_` of the bias;
+    Sana's `conv_point`), as `Folded(bias viewed [C, 1, 1], conv2d(x, weight, None,
+    ...))`, checked at first sight per geometry; else `conv(x)` itself. x: [B, C_in, H,
+    W]. Returns a Folded or a tensor; `value()` of the Folded is the layer's output, bit
+    for bit (layout included)."""
+    if _plain() or type(conv) is not torch.nn.Conv2d or not _plain_module(conv) or conv.padding_mode != "zeros" \
+            or isinstance(conv.padding, str) or torch.is_grad_enabled():
+        return conv(x)
+    p = conv._parameters
+    w, b = p["weight"], p["bias"]
+    args = (tuple(conv.stride), tuple(conv.padding), tuple(conv.dilation), conv.groups)
+    if b is None or x.__class__ is not torch.Tensor or x.dim() != 4 or w.__class__ not in _PLAIN_TENSORS \
+            or b.__class__ not in _PLAIN_TENSORS or common_device_dtype(x, w, b):
+        return conv(x)
+    backend = conv_epilogue.conv_backend(x, w, b, *args)
+    if backend not in conv_epilogue.SPLIT_BACKENDS or conv_epilogue.conv_backend(x, w, None, *args) != backend:
+        return conv(x)
+    sig = (backend, x.dtype, x.get_device(), tuple(x.shape), x.stride(), tuple(w.shape), w.stride(), b.stride(), *args,
+           torch._C._get_cudnn_enabled())
+    conv2d = torch.nn.functional.conv2d
+    if not policy.fact("conv_bias_split", sig,
+                       lambda: _split_holds(conv2d(x, w, b, *args), b.view(-1, 1, 1), conv2d(x, w, None, *args))):
+        return conv(x)
+    return Folded(b.view(-1, 1, 1), conv2d(x, w, None, *args))
+
+
 # ---------------------------------------------------------------- linear attention (Sana)
 
 
@@ -892,6 +966,8 @@ __all__ = [
     "conv_bias_silu_site",
     "conv_bias_glu_site",
     "linear_attention_site",
+    "linear_bias_split",
+    "conv_bias_split",
     "linear_projections_site",
     "pack_linears",
     "linears_packed",

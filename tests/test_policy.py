@@ -442,3 +442,33 @@ def test_background_compiles_nest(monkeypatch):
                 assert policy._background.get() is False
         assert policy._background.get() is True and settled == []
     assert settled == [None] and policy._background.get() is None
+
+
+def test_a_fact_is_checked_once_and_a_miss_warns_once_and_sticks(monkeypatch):
+    """`policy.fact`: a fact of the running build is checked at first sight per signature
+    and recorded as a verdict; a miss warns once and stays a miss; an exception in the
+    check is an error (False); nothing is checked while tracing or capturing."""
+    calls = []
+
+    def holds():
+        calls.append(1)
+        return None
+
+    assert policy.fact("split", ("a",), holds) and policy.fact("split", ("a",), holds)
+    assert len(calls) == 1
+    with pytest.warns(policy.FallbackWarning, match="split.*differs here"):
+        assert not policy.fact("split", ("b",), lambda: "it differs here")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not policy.fact("split", ("b",), holds)  # kept: no second check, no second warning
+    with pytest.warns(policy.FallbackWarning, match="RuntimeError: no"):
+        assert not policy.fact("split", ("c",), lambda: (_ for _ in ()).throw(RuntimeError("no")))
+    assert [(v.status, v.signature) for v in bitfuse.verdicts()] == [
+        ("verified", "split[lossless] a"), ("mismatch", "split[lossless] b"), ("error", "split[lossless] c")]
+    for where in ("compiling", "capturing"):
+        with monkeypatch.context() as m:
+            m.setattr(policy, where, lambda: True)
+            assert not policy.fact("split", ("d",), lambda: pytest.fail("checked inside " + where))
+    assert policy.fact("split", ("a",), lambda: pytest.fail("checked again"))
+    monkeypatch.setattr(policy, "VERIFY_ALWAYS", True)
+    assert policy.fact("split", ("a",), holds) and len(calls) == 2

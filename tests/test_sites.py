@@ -368,3 +368,108 @@ def test_a_permuted_x_keeps_eagers_layout(monkeypatch):
         out = sites.gated_residual_site(y, x, gate)  # y's layout does not decide eager's
         assert same_bits(out, y + x * gate) and out.is_contiguous()
     assert [v.status for v in policy.verdicts()] == ["verified"]
+
+
+# ---------------------------------------------------------------- a layer's bias left to its consumer
+
+
+def _linear(K=12, N=10, dtype=torch.float32):
+    torch.manual_seed(3)
+    return torch.nn.Linear(K, N).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_bias_split_is_the_layers_output(monkeypatch, dtype):
+    """`linear_bias_split` on an x aten's `linear` multiplies and then adds the bias to
+    (3-D, not contiguous: the linear attention's transposed output): Folded(bias,
+    matmul), whose value is the layer's output bit for bit, checked once per geometry
+    (a verdict); a contiguous or 2-D x, autograd, hooks, no bias: the layer's own call."""
+    monkeypatch.setattr(_params, "INTERPRET_ON_CPU", True)
+    lin = _linear(dtype=dtype)
+    x = torch.randn(2, 12, 7, dtype=dtype).transpose(1, 2)  # [2, 7, 12], strides (84, 1, 7)
+    x[0, 0, :3] = torch.tensor([float("nan"), float("inf"), -0.0])
+    with torch.no_grad():
+        out = sites.linear_bias_split(lin, x)
+        assert out.__class__ is sites.Folded and out.table is lin.bias
+        assert same_bits(out.value(), lin(x)) and out.value().stride() == lin(x).stride()
+        assert [(v.op, v.status) for v in bitfuse.verdicts()] == [("linear_bias_split", "verified")]
+        for other in (x.contiguous(), x[0]):
+            got = sites.linear_bias_split(lin, other)
+            assert got.__class__ is torch.Tensor and same_bits(got, lin(other))
+        handle = lin.register_forward_hook(lambda m, a, o: o * 2)
+        try:
+            assert same_bits(sites.linear_bias_split(lin, x), lin(x))  # the hook's doubling, as the call gives
+        finally:
+            handle.remove()
+        nobias = torch.nn.Linear(12, 10, bias=False).to(dtype)
+        assert sites.linear_bias_split(nobias, x).__class__ is torch.Tensor
+    got = sites.linear_bias_split(lin, x)  # autograd recording: the layer's call
+    assert got.__class__ is torch.Tensor and got.requires_grad
+
+
+def test_linear_bias_split_falls_back_where_the_fact_fails(monkeypatch):
+    """A build whose `linear` does not add the bias as its own op (here: a matmul that
+    rounds otherwise) gets the layer's own call, with one warning, for good."""
+    monkeypatch.setattr(_params, "INTERPRET_ON_CPU", True)
+    lin = _linear()
+    x = torch.randn(2, 12, 7).transpose(1, 2)
+    real = torch.matmul
+    monkeypatch.setattr(torch, "matmul", lambda a, b: real(a, b) * (1 + 2 ** -20))
+    with torch.no_grad():
+        with pytest.warns(policy.FallbackWarning, match="linear_bias_split.*differ from the layer's own call"):
+            out = sites.linear_bias_split(lin, x)
+        assert out.__class__ is torch.Tensor and same_bits(out, torch.nn.functional.linear(x, lin.weight, lin.bias))
+        assert sites.linear_bias_split(lin, x).__class__ is torch.Tensor
+
+
+def test_conv_bias_split_only_where_the_backend_adds_the_bias_apart(monkeypatch):
+    """`conv_bias_split` leaves the bias out only on a backend that adds it as its own op
+    (cuDNN); the CPU's convolution adds it inside, so there it is the layer's call. Told
+    the CPU backend splits, the first-sight check finds out (or agrees) and the value
+    handed on is the layer's output either way."""
+    monkeypatch.setattr(_params, "INTERPRET_ON_CPU", True)
+    torch.manual_seed(4)
+    conv = torch.nn.Conv2d(6, 4, 1)
+    x = torch.randn(2, 6, 3, 5).to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        ref = conv(x)
+        got = sites.conv_bias_split(conv, x)
+        assert got.__class__ is torch.Tensor and same_bits(got, ref) and bitfuse.verdicts() == []
+        from bitfuse.ops import conv_epilogue
+
+        monkeypatch.setattr(conv_epilogue, "conv_backend", lambda *a: "Cudnn")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", policy.FallbackWarning)
+            got = sites.conv_bias_split(conv, x)
+        value = got.value() if got.__class__ is sites.Folded else got
+        assert same_bits(value, ref) and value.stride() == ref.stride()
+        assert [v.op for v in bitfuse.verdicts()] == ["conv_bias_split"]
+        if got.__class__ is sites.Folded:
+            assert got.table.shape == (4, 1, 1)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs triton's interpreter (CPU runs)")
+@pytest.mark.parametrize("data", ["randn", "special", "zeros"])
+@pytest.mark.parametrize("strided", [False, True])
+def test_gated_residual_adds_a_folded_ys_bias_as_eager(monkeypatch, data, strided):
+    """The gated residual with y = Folded(bias row, output) (a layer's bias eager adds as
+    its own op): the kernel's add of the bias, rounded to the dtype, then eager's
+    product and sum, bitwise against `x + (output + bias) * gate`, into a poisoned
+    output, with a Folded gate too; its bound launch on new operands the same."""
+    from bitfuse.ops import cases
+
+    monkeypatch.setattr(_params, "INTERPRET_ON_CPU", True)
+    for layout in ("per-sample", "folded"):
+        case = cases.Case(2, 7, 40, torch.float32, layout, data, seed=5, device="cpu", strided=strided)
+        x, y, gate = gated_residual.SPEC.make_args(case)
+        bias = cases.draw((40,), torch.float32, data, torch.Generator().manual_seed(9), "cpu")
+        fy = sites.Folded(bias, y)
+        plan = gated_residual.plan_gated_residual(x, fy, gate)
+        assert not isinstance(plan, str), plan
+        assert plan.key[-1] == "y+bias"
+        ref = x + (y + bias) * _params.value(gate)
+        out = gated_residual.launch_gated_residual(plan, out=torch.full_like(ref, float("nan")))
+        assert same_bits(out, ref), layout
+        x2, y2, gate2 = gated_residual.SPEC.make_args(dataclasses.replace(case, seed=6))
+        again = gated_residual.bind_gated_residual(plan)(x2, sites.Folded(bias * 2, y2), gate2)
+        assert same_bits(again, x2 + (y2 + bias * 2) * _params.value(gate2)), layout

@@ -81,6 +81,7 @@ The copies are valid only for the diffusers source they were taken from:
 function (`SOURCES`), and refuses otherwise unless `force=True`.
 """
 
+import contextvars
 import weakref
 
 import torch
@@ -163,7 +164,8 @@ def _block_forward(
         norm_hidden_states = norm_hidden_states.to(hidden_states.dtype)
 
     # diffusers: attn_output = self.attn1(norm_hidden_states)
-    attn_output = _direct.call(self.attn1, norm_hidden_states)
+    # bitfuse: to_out's bias may come back not added (a Folded), for the gated residual's kernel (`_self_attention`)
+    attn_output = _self_attention(self.attn1, norm_hidden_states)
     # diffusers: hidden_states = hidden_states + gate_msa * attn_output
     hidden_states = sites.gated_residual_site(hidden_states, attn_output, gate_msa)
 
@@ -186,7 +188,8 @@ def _block_forward(
     # diffusers: norm_hidden_states = norm_hidden_states.unflatten(1, (height, width)).permute(0, 3, 1, 2)
     norm_hidden_states = _tokens_as_nchw(norm_hidden_states, height, width)
     # diffusers: ff_output = self.ff(norm_hidden_states)
-    ff_output = _direct.call(self.ff, norm_hidden_states)
+    # bitfuse: conv_point's bias may come back not added (a Folded), for the gated residual's kernel (`_feed_forward`)
+    ff_output = _feed_forward(self.ff, norm_hidden_states)
     # diffusers: ff_output = ff_output.flatten(2, 3).permute(0, 2, 1)
     ff_output = _nchw_as_tokens(ff_output)
     # diffusers: hidden_states = hidden_states + gate_mlp * ff_output
@@ -243,10 +246,47 @@ def _tokens_as_nchw(x, height, width):
     return x.as_strided((x.shape[0], x.shape[2], height, width), (sb, sd, width * sn, sn), x.storage_offset())
 
 
+def _self_attention(attn, x):
+    """`attn(x)`, a block's self-attention. Where nothing steps into the call and it runs
+    our forward and processor, the processor is called as that forward calls it, with
+    `defer_bias`: to_out's output may come back as `Folded(bias, product)` (where eager
+    adds the bias as an op of its own: `sites.linear_bias_split`), whose `value()` is
+    the tensor `attn(x)` returns; else `attn(x)`."""
+    forward = attn.__dict__.get("forward")
+    if getattr(forward, "__func__", None) is _attention_forward and type(attn.processor) is _LinearAttnProcessor \
+            and _direct.plain(attn):
+        return attn.processor(attn, x, encoder_hidden_states=None, attention_mask=None, defer_bias=True)
+    return _direct.call(attn, x)
+
+
+def _feed_forward(ff, x):
+    """`ff(x)`, a block's GLUMBConv. Where nothing steps into the call and it runs our
+    forward, with `defer_bias`: conv_point's output may come back as `Folded(bias,
+    product)` (where eager adds the bias as an op of its own: `sites.conv_bias_split`),
+    whose `value()` is the tensor `ff(x)` returns; else `ff(x)`. (The flag is a context
+    variable: GLUMBConv.forward's signature stays diffusers'.)"""
+    forward = ff.__dict__.get("forward")
+    if getattr(forward, "__func__", None) is _glumbconv_forward and _direct.plain(ff):
+        token = _defer_bias.set(True)
+        try:
+            return _glumbconv_forward(ff, x)
+        finally:
+            _defer_bias.reset(token)
+    return _direct.call(ff, x)
+
+
+#: set by `_feed_forward` around its GLUMBConv call: conv_point's bias may be left to the caller
+_defer_bias: contextvars.ContextVar[bool] = contextvars.ContextVar("bitfuse_sana_defer_bias", default=False)
+
+
 def _nchw_as_tokens(y):
     """`y.flatten(2, 3).permute(0, 2, 1)` for y [B, C, H, W]: the same view in one call
     where the flatten is a view (W's stride times W is H's, as in the channels-last
-    output of GLUMBConv), outside tracing; else those two calls (a flatten that copies)."""
+    output of GLUMBConv), outside tracing; else those two calls (a flatten that copies).
+    A Folded y (conv_point's output and its [C, 1, 1] bias, `_feed_forward`) stays
+    Folded: its output as tokens, the bias as the [C] row they broadcast against."""
+    if y.__class__ is sites.Folded:
+        return sites.Folded(y.table.view(-1), _nchw_as_tokens(y.temb))
     if torch.compiler.is_compiling() or y.dim() != 4:
         return y.flatten(2, 3).permute(0, 2, 1)
     sb, sc, sh, sw = y.stride()
@@ -282,7 +322,9 @@ def _merged_heads(o, batch_size, inner_dim):
 
 
 def _glumbconv_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    """diffusers 0.42.1 `GLUMBConv.forward`, the two convolution epilogues through bitfuse."""
+    """diffusers 0.42.1 `GLUMBConv.forward`, the two convolution epilogues through bitfuse;
+    called by `_feed_forward` (`_defer_bias` set), conv_point's output may be a Folded
+    (`sites.conv_bias_split`) where nothing follows it here."""
     if self.residual_connection:
         residual = hidden_states
 
@@ -296,6 +338,10 @@ def _glumbconv_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     hidden_states = sites.conv_bias_glu_site(self.conv_depth, self.nonlinearity, hidden_states)
 
     # diffusers: hidden_states = self.conv_point(hidden_states)
+    # bitfuse: its bias left to the caller's kernel where eager adds it as an op of its own and nothing follows here
+    if not torch.compiler.is_compiling() and _defer_bias.get() and self.norm_type != "rms_norm" \
+            and not self.residual_connection:
+        return sites.conv_bias_split(self.conv_point, hidden_states)
     hidden_states = _direct.call(self.conv_point, hidden_states)
 
     if self.norm_type == "rms_norm":
@@ -330,6 +376,8 @@ class _LinearAttnProcessor(SanaLinearAttnProcessor2_0):
         hidden_states: torch.Tensor,
         encoder_hidden_states: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        # bitfuse: for the block's gated residual (`_self_attention`): to_out's bias may be left to its kernel
+        defer_bias: bool = False,
     ) -> torch.Tensor:
         original_dtype = hidden_states.dtype
 
@@ -369,13 +417,25 @@ class _LinearAttnProcessor(SanaLinearAttnProcessor2_0):
 
         # diffusers: hidden_states = attn.to_out[0](hidden_states)
         # diffusers: hidden_states = attn.to_out[1](hidden_states)
+        # bitfuse: with `defer_bias`, where to_out[1] is the identity and no fp16 clip follows, to_out[0]'s
+        # bitfuse: bias is left to the caller's kernel where eager adds it as an op of its own
+        dropout = _direct.item(attn.to_out, 1)
+        if defer_bias and original_dtype != torch.float16 and _identity(dropout):
+            return sites.linear_bias_split(_direct.item(attn.to_out, 0), hidden_states)
         hidden_states = _direct.call(_direct.item(attn.to_out, 0), hidden_states)
-        hidden_states = _direct.call(_direct.item(attn.to_out, 1), hidden_states)
+        hidden_states = _direct.call(dropout, hidden_states)
 
         if original_dtype == torch.float16:
             hidden_states = hidden_states.clip(-65504, 65504)
 
         return hidden_states
+
+
+def _identity(dropout) -> bool:
+    """Calling `dropout` returns its input itself: an `nn.Dropout` in eval mode (or p = 0)
+    that nothing steps into (`_direct.call`'s own case)."""
+    return type(dropout) is torch.nn.Dropout and "forward" not in dropout.__dict__ and _direct.plain(dropout) \
+        and (dropout.p == 0 or (not dropout.training and 0 <= dropout.p <= 1))
 
 
 class _CrossAttnProcessor(SanaAttnProcessor2_0):

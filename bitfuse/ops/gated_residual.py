@@ -36,6 +36,7 @@ from ._params import (
     common_device_dtype,
     launch_shape,
     layout_class,
+    load_param,
     load_row_param,
     over_rows,
     pointwise_rows,
@@ -54,14 +55,15 @@ from .spec import OpSpec
 
 @jit
 def _gated_residual_kernel(
-    x_ptr, y_ptr, gate_ptr, out_ptr, gate_table_ptr,
+    x_ptr, y_ptr, gate_ptr, out_ptr, gate_table_ptr, y_table_ptr,
     S, D,
     x_sb, x_ss, x_sd,
     y_sb, y_ss, y_sd,
     g_sb, g_ss, g_sd,
-    gt_sd,
+    gt_sd, yt_sd,
     GATE_PER_ROW: tl.constexpr,
     GATE_TABLE: tl.constexpr,
+    Y_TABLE: tl.constexpr,  # Folded y: `y + bias row`, rounded to x's dtype as eager's add_ of a bias
     F32: tl.constexpr,  # the fp32-compute variant: no rounding before the store
     EVEN: tl.constexpr,
     INT64: tl.constexpr,
@@ -79,7 +81,8 @@ def _gated_residual_kernel(
 
     dtype = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + ((b * x_sb + s * x_ss)[:, None] + (cols * x_sd)[None, :]), mask=mask).to(tl.float32)
-    y = tl.load(y_ptr + ((b * y_sb + s * y_ss)[:, None] + (cols * y_sd)[None, :]), mask=mask).to(tl.float32)
+    y = load_param(y_ptr, (b * y_sb + s * y_ss)[:, None] + (cols * y_sd)[None, :], mask, y_table_ptr, cols * yt_sd,
+                   col_ok, Y_TABLE, dtype, False)
     if F32:  # eager: (x.float() + y * gate).type_as(x), gate fp32 (a Folded one: table + temb.float())
         gate = load_row_param(gate_ptr, b, s, cols, g_sb, g_ss, g_sd, mask, col_ok, gate_table_ptr, gt_sd,
                               GATE_PER_ROW, GATE_TABLE, tl.float32)
@@ -92,7 +95,7 @@ def _gated_residual_kernel(
     tl.store(out_ptr + (((b * S + s) * D)[:, None] + cols[None, :]), out.to(dtype), mask=mask)
 
 
-_launch = FastLaunch(_gated_residual_kernel, ("GATE_PER_ROW", "GATE_TABLE", "F32", "EVEN", "INT64", "BLOCK_R", "BLOCK_D",
+_launch = FastLaunch(_gated_residual_kernel, ("GATE_PER_ROW", "GATE_TABLE", "Y_TABLE", "F32", "EVEN", "INT64", "BLOCK_R", "BLOCK_D",
                                               "NCB"))
 
 
@@ -113,6 +116,7 @@ class GatedResidualPlan(NamedTuple):
     recipe: Recipe  # the default launch
     gate_table: torch.Tensor | None = None  # Folded gate: the table row added on the fly
     f32: bool = False  # the fp32-compute variant (`gated_residual_f32`)
+    y_table: torch.Tensor | None = None  # Folded y: its bias row added on the fly
 
 
 _geometry = GeometryCache()
@@ -120,23 +124,29 @@ _geometry = GeometryCache()
 
 def plan_gated_residual(x, y, gate, tier: str = "lossless") -> GatedResidualPlan | str:
     """The guard: a plan for the kernel, or the reason the call takes the reference.
-    `gate` may be Folded (table row + temb, added with eager's rounding)."""
+    `gate` may be Folded (table row + temb, added with eager's rounding), and so may
+    `y` (a [D] bias row + the branch's output of x's shape: a layer's output whose bias
+    eager adds as a separate op, `sites.linear_deferred_bias`)."""
     if not HAS_TRITON:
         return "triton is not installed"
-    table = None
+    table = y_table = None
     if gate.__class__ is Folded:
         gate, table, why = table_of(gate, x)
         if why:
             return why
+    if y.__class__ is Folded:
+        y, y_table, why = table_of(y, x)
+        if why:
+            return "y: " + why
     why = common_device_dtype(x, y, gate)
     if why:
         return why
     cache_key = (x.shape, x.stride(), y.shape, y.stride(), gate.shape, gate.stride(), x.dtype, x.get_device(),
-                 table is None or table.stride())
-    geometry = _geometry.get(cache_key, _geometry_of, x, y, gate, table)
+                 table is None or table.stride(), y_table is None or y_table.stride())
+    geometry = _geometry.get(cache_key, _geometry_of, x, y, gate, table, None, False, y_table)
     if geometry.__class__ is str:
         return geometry
-    return GatedResidualPlan(x, y, gate, *geometry, table)
+    return GatedResidualPlan(x, y, gate, *geometry, table, False, y_table)
 
 
 def plan_gated_residual_f32(x, y, gate, tier: str = "lossless") -> GatedResidualPlan | str:
@@ -154,6 +164,8 @@ def plan_gated_residual_f32(x, y, gate, tier: str = "lossless") -> GatedResidual
         return "gate is not a tensor"
     elif gate.dtype is not torch.float32:
         return "gate is not fp32 (the fp32-compute variant)"
+    if not isinstance(y, torch.Tensor):
+        return "y is not a tensor (the fp32-compute variant)"
     why = common_device_dtype(x, y) or _same_device_no_grad(x, gate, table)
     if why:
         return why
@@ -177,7 +189,7 @@ def _same_device_no_grad(x, *params) -> str | None:
     return None
 
 
-def _geometry_of(x, y, gate, table=None, wide=None, f32=False):
+def _geometry_of(x, y, gate, table=None, wide=None, f32=False, y_table=None):
     """The guard's per-layout work and the default launch (`wide`: force int64 offsets, for tests)."""
     r = pointwise_rows(x)
     if r.__class__ is str:
@@ -190,19 +202,22 @@ def _geometry_of(x, y, gate, table=None, wide=None, f32=False):
     yr = rows_of(y)
     wide = wide or wide_offsets(r, *over_rows(r, (yr.sb, yr.ss, yr.sd)), *over_rows(r, g))
     key = (x.dtype, x.get_device(), layout_class(g, gate) + ("+table" if table is not None else ""))
+    if y_table is not None:
+        key += ("y+bias",)
     if f32:
         key += (f"f32 {gate.dtype}" + ("" if table is None else f"+{table.dtype}"),)
     config = launch_shape(r.D, r.B * r.S, x.element_size(), 3 + (g[1] != 0))
-    return r, yr, g, key, wide, _recipe(r, yr, g, wide, table, config, f32)
+    return r, yr, g, key, wide, _recipe(r, yr, g, wide, table, config, f32, y_table)
 
 
-def _recipe(r: Rows, yr: Rows, g, wide, gt, config, f32=False) -> Recipe:
+def _recipe(r: Rows, yr: Rows, g, wide, gt, config, f32=False, yt=None) -> Recipe:
     block_r, block_d, num_warps = config
     grid, even, ncb = tile_launch(r, block_r, block_d)
     return Recipe(
         grid,
-        (r.S, r.D, r.sb, r.ss, r.sd, yr.sb, yr.ss, yr.sd, *g, 0 if gt is None else gt.stride(0)),
-        (g[1] != 0, gt is not None, f32, even, wide, block_r, block_d, ncb),
+        (r.S, r.D, r.sb, r.ss, r.sd, yr.sb, yr.ss, yr.sd, *g, 0 if gt is None else gt.stride(0),
+         0 if yt is None else yt.stride(0)),
+        (g[1] != 0, gt is not None, yt is not None, f32, even, wide, block_r, block_d, ncb),
         num_warps,
     )
 
@@ -210,28 +225,31 @@ def _recipe(r: Rows, yr: Rows, g, wide, gt, config, f32=False) -> Recipe:
 def launch_gated_residual(plan: GatedResidualPlan, out=None, config=None) -> torch.Tensor:
     """Run the kernel for a guarded plan, into `out` (contiguous, x's shape) if given.
     `config` overrides (BLOCK_R, BLOCK_D, num_warps)."""
-    x, gt = plan.x, plan.gate_table
+    x, gt, yt = plan.x, plan.gate_table, plan.y_table
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     recipe = plan.recipe if config is None else _recipe(plan.rows, plan.y_rows, plan.g_strides, plan.wide, gt, config,
-                                                        plan.f32)
-    _launch.launch(recipe, (x, plan.y, plan.gate, out, plan.gate if gt is None else gt))
+                                                        plan.f32, yt)
+    _launch.launch(recipe, (x, plan.y, plan.gate, out, plan.gate if gt is None else gt, plan.y if yt is None else yt))
     return out
 
 
 def bind_gated_residual(plan: GatedResidualPlan):
     """The plan's launch bound to its geometry (`OpSpec.bind`): `run(x, y, gate)` for a
-    call with the plan's shapes, strides, dtypes and devices (a Folded gate where the
-    plan's was)."""
-    recipe, launch, folded = plan.recipe, _launch.launch, plan.gate_table is not None
+    call with the plan's shapes, strides, dtypes and devices (a Folded gate, or y, where
+    the plan's was)."""
+    recipe, launch = plan.recipe, _launch.launch
+    folded, y_folded = plan.gate_table is not None, plan.y_table is not None
     output = Output.contiguous_like(plan.x)
 
     def run(x, y, gate):
-        gt = None
+        gt = yt = None
         if folded:
             gt, gate = gate.table, gate.temb
+        if y_folded:
+            yt, y = y.table, y.temb
         out = output()
-        launch(recipe, (x, y, gate, out, gate if gt is None else gt))
+        launch(recipe, (x, y, gate, out, gate if gt is None else gt, y if yt is None else yt))
         return out
 
     return run
@@ -259,8 +277,8 @@ def gated_residual_f32(x, y, gate) -> torch.Tensor:
 
 
 def gated_residual_reference(x, y, gate) -> torch.Tensor:
-    """The eager expression, as models write it (a Folded gate materialised first)."""
-    return x + y * value(gate)
+    """The eager expression, as models write it (a Folded gate or y materialised first)."""
+    return x + value(y) * value(gate)
 
 
 def gated_residual_f32_reference(x, y, gate) -> torch.Tensor:
@@ -271,11 +289,11 @@ def gated_residual_f32_reference(x, y, gate) -> torch.Tensor:
 
 
 def _reference64(x, y, gate) -> torch.Tensor:
-    return x.double() + y.double() * value(gate).double()
+    return x.double() + value(y).double() * value(gate).double()
 
 
 def _terms(x, y, gate) -> torch.Tensor:
-    return x.double().abs().maximum((y.double() * value(gate).double()).abs())
+    return x.double().abs().maximum((value(y).double() * value(gate).double()).abs())
 
 
 def _make_args(case: cases.Case) -> tuple:
