@@ -389,3 +389,56 @@ def test_silu_form_takes_the_first_form_equal_on_every_input(monkeypatch, glu):
         assert E.silu_form("cuda", dtype, glu) == E.FAST_FORMS[0]
     finally:
         E._FORMS.clear()
+
+
+# ---------------------------------------------------------------- the depthwise convolution fused
+
+
+def _taps_fp32(x, w):
+    """The 3x3 depthwise convolution (padding 1) summed tap by tap in row-major order in
+    fp32, each tap by an FMA (its product exact in float64, the sum rounded to fp32)."""
+    B, C, H, W = x.shape
+    xp = F.pad(x, (1, 1, 1, 1)).double()
+    acc = torch.zeros(B, C, H, W)
+    for kh in range(3):
+        for kw in range(3):
+            acc = (acc.double() + xp[:, :, kh:kh + H, kw:kw + W] * w[:, 0, kh, kw].double()[None, :, None, None]).float()
+    return acc
+
+
+@interpreter
+@pytest.mark.parametrize("shape", [(2, 12, 5, 7), (1, 130, 3, 4), (3, 4, 1, 9)])
+def test_fused_depthwise_indexing(shape):
+    """`depthwise_glu` under the interpreter (fp32): every output pixel's nine taps, the
+    image's edges (zero padding), channel blocks cut short, both halves of the channels,
+    the bias and the GLU; into eager's strides and into a poisoned `out`."""
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(*shape, generator=g).contiguous(memory_format=torch.channels_last)
+    w, b = torch.randn(shape[1], 1, 3, 3, generator=g), torch.randn(shape[1], generator=g)
+    ref = np_bias_glu(_taps_fp32(x, w), b)
+    with cpu_kernels():
+        E._FORMS.setdefault((-1, torch.float32, True), 0)
+        out = E.depthwise_glu(x, w, b)
+        assert same_bits(out, ref)
+        assert out.stride() == E.conv_bias_glu_reference(x, w, b, 1, 1, 1, shape[1]).stride()
+        poisoned = torch.full_like(ref, float("nan"))
+        assert same_bits(E.depthwise_glu(x, w, b, out=poisoned), ref)
+
+
+def test_the_depthwise_convolution_fuses_only_its_own_case(monkeypatch):
+    """The planner fuses the convolution into the GLU kernel only for a 16-bit 3x3
+    depthwise convolution, stride 1, padding 1, channels-last, on a backend that adds the
+    bias apart (the signature says so); anything else keeps eager's convolution."""
+    monkeypatch.setattr(E, "conv_backend", lambda *a: "Cudnn")
+    x = torch.randn(2, 8, 5, 5).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    w, b = torch.randn(8, 1, 3, 3).to(torch.bfloat16), torch.randn(8).to(torch.bfloat16)
+    with cpu_kernels():
+        plan = E.plan_conv_bias_glu(x, w, b, 1, 1, 1, 8)
+        assert plan.fused and plan.key[-1] == "convolution fused"
+        for args in ((x.contiguous(), w, b, 1, 1, 1, 8), (x.float(), w.float(), b.float(), 1, 1, 1, 8),
+                     (x, w, b, 2, 1, 1, 8), (x, w, b, 1, 2, 2, 8), (x, w[:, :, :2], b, 1, 1, 1, 8),
+                     (x[:, :4], w[:4], b[:4], 1, 1, 1, 4)):
+            plan = E.plan_conv_bias_glu(*args)
+            assert plan.__class__ is str or not plan.fused, plan.key
+        monkeypatch.setattr(E, "DEPTHWISE", False)
+        assert not E.plan_conv_bias_glu(x, w, b, 1, 1, 1, 8).fused

@@ -239,6 +239,73 @@ _launch = FastLaunch(_epilogue_kernel, ("HAS_BIAS", "GLU", "CL", "EVEN", "INT64"
                                         "SILU", "INTERP"))
 
 
+@jit
+def _depthwise3x3(y_ptr, w_ptr, base, c, c_ok, ph, pw, p_ok, H, W, y_sc, y_sh, y_sw, w_sc):
+    """A [pixels, channels] tile of a 3x3 depthwise convolution (stride 1, zero padding
+    1) without its bias, in fp32, as cuDNN's depthwise kernel sums it (`DEPTHWISE`): the
+    nine taps in row-major order, each accumulated by one FMA from 0 (a product of two
+    16-bit values is exact in fp32; the FMA keeps the order's roundings where a
+    product would underflow). A tap outside the image adds x = 0."""
+    acc = tl.zeros((ph.shape[0], c.shape[0]), tl.float32)
+    for kh in tl.static_range(3):
+        ih = ph + (kh - 1)
+        row_ok = p_ok & (ih >= 0) & (ih < H)
+        for kw in tl.static_range(3):
+            iw = pw + (kw - 1)
+            ok = row_ok & (iw >= 0) & (iw < W)
+            v = tl.load(y_ptr + (base + (ih * y_sh + iw * y_sw)[:, None] + (c * y_sc)[None, :]),
+                        mask=ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+            wv = tl.load(w_ptr + (c * w_sc + (kh * 3 + kw)), mask=c_ok, other=0.0,
+                         eviction_policy="evict_last").to(tl.float32)
+            acc = tl.fma(v, wv[None, :], acc)
+    return acc
+
+
+@jit
+def _depthwise_glu_kernel(
+    y_ptr, w_ptr, bias_ptr, out_ptr,
+    C, H, W,
+    y_sb, y_sc, y_sh, y_sw,
+    o_sb, o_sc, o_sh, o_sw,
+    w_sc, b_s,
+    INT64: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    SILU: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """`h * silu(g)`, `h, g = conv2d(y, w, bias, 1, 1, 1, 2C).chunk(2, dim=1)`: the depthwise
+    convolution of both halves (`_depthwise3x3`, rounded to the dtype as cuDNN's output),
+    eager's bias add_ (rounded), the gate's SiLU (rounded) and the product, for a tile of
+    pixels (program 0: pixel blocks) and output channels (program 1), sample program 2."""
+    b = tl.program_id(2)
+    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    if INT64:
+        b = b.to(tl.int64)
+        p = p.to(tl.int64)
+        c = c.to(tl.int64)
+    p_ok = p < H * W
+    c_ok = c < C
+    ph = p // W
+    pw = p - ph * W
+    dtype = out_ptr.dtype.element_ty
+    base = b * y_sb
+    h = _depthwise3x3(y_ptr, w_ptr, base, c, c_ok, ph, pw, p_ok, H, W, y_sc, y_sh, y_sw, w_sc)
+    g = _depthwise3x3(y_ptr, w_ptr, base, c + C, c_ok, ph, pw, p_ok, H, W, y_sc, y_sh, y_sw, w_sc)
+    bh = tl.load(bias_ptr + c * b_s, mask=c_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    bg = tl.load(bias_ptr + (c + C) * b_s, mask=c_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    h = (h.to(dtype).to(tl.float32) + bh[None, :]).to(dtype).to(tl.float32)  # cuDNN's output, eager's add_
+    g = (g.to(dtype).to(tl.float32) + bg[None, :]).to(dtype).to(tl.float32)
+    s = _silu(g, SILU, INTERP).to(dtype).to(tl.float32)  # eager: silu(gate)
+    out = h * s  # eager: hidden * silu(gate)
+    tl.store(out_ptr + (b * o_sb + (ph * o_sh + pw * o_sw)[:, None] + (c * o_sc)[None, :]), out.to(dtype),
+             mask=p_ok[:, None] & c_ok[None, :])
+
+
+_launch_depthwise = FastLaunch(_depthwise_glu_kernel, ("INT64", "BLOCK_P", "BLOCK_C", "SILU", "INTERP"))
+
+
 # ---------------------------------------------------------------- geometry
 
 
@@ -500,12 +567,12 @@ class ConvPlan:
     """A conv + epilogue call that passed the guard: the convolution's arguments,
     whether its bias is split off to the epilogue, and the gate key."""
 
-    __slots__ = ("bias", "dilation", "glu", "groups", "key", "padding", "split", "stride", "weight", "x")
+    __slots__ = ("bias", "dilation", "fused", "glu", "groups", "key", "padding", "split", "stride", "weight", "x")
 
-    def __init__(self, x, weight, bias, stride, padding, dilation, groups, split, glu, key):
+    def __init__(self, x, weight, bias, stride, padding, dilation, groups, split, glu, key, fused=False):
         self.x, self.weight, self.bias = x, weight, bias
         self.stride, self.padding, self.dilation, self.groups = stride, padding, dilation, groups
-        self.split, self.glu, self.key = split, glu, key
+        self.split, self.glu, self.key, self.fused = split, glu, key, fused
 
 
 _backends = GeometryCache()
@@ -568,9 +635,23 @@ def _plan_conv(x, weight, bias, stride, padding, dilation, groups, glu: bool):
     fmt = "channels-last" if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not \
         x.is_contiguous() else ("contiguous" if x.is_contiguous() else "strided")
     bias_where = "bias split" if split else ("bias in conv" if bias is not None else "no bias")
+    fused = glu and split and DEPTHWISE and _depthwise_fits(x, weight, stride, padding, dilation, groups)
     key = (x.dtype, x.get_device(), f"{weight.shape[2]}x{weight.shape[3]} {kind}", f"stride={stride}",
            f"padding={padding}", f"dilation={dilation}", fmt, backend, bias_where)
-    return ConvPlan(x, weight, bias, stride, padding, dilation, groups, split, glu, key)
+    if fused:
+        key += ("convolution fused",)
+    return ConvPlan(x, weight, bias, stride, padding, dilation, groups, split, glu, key, fused)
+
+
+def _depthwise_fits(x, weight, stride, padding, dilation, groups) -> bool:
+    """The fused kernel's case: a 16-bit 3x3 depthwise convolution, stride 1, zero
+    padding 1, one input channel a group, each filter's taps contiguous, x channels-last
+    (so cuDNN's output, whose layout the result's follows, is channels-last: layouts
+    decide the next convolution's backend and bits)."""
+    return (x.dtype in DOMAIN and groups == x.shape[1] == weight.shape[0] and tuple(weight.shape[1:]) == (1, 3, 3)
+            and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+            and stride == (1, 1) and padding == (1, 1) and dilation == (1, 1)
+            and weight.stride(2) == 3 and weight.stride(3) == 1)
 
 
 def plan_conv_bias_silu(x, weight, bias, stride, padding, dilation, groups, tier: str = "lossless"):
@@ -585,7 +666,9 @@ def plan_conv_bias_glu(x, weight, bias, stride, padding, dilation, groups, tier:
 
 def launch_conv(plan: ConvPlan, out=None, config=None) -> torch.Tensor:
     """The convolution as eager runs it (without its bias when the plan splits it off),
-    then the epilogue kernel, into `out` if given."""
+    then the epilogue kernel, into `out` if given; a fused plan: both in one kernel."""
+    if plan.fused:
+        return depthwise_glu(plan.x, plan.weight, plan.bias, out, config)
     y = F.conv2d(plan.x, plan.weight, None if plan.split else plan.bias, plan.stride, plan.padding,
                  plan.dilation, plan.groups)
     return _epilogue(y, plan.bias if plan.split else None, plan.glu, out, config)
@@ -598,6 +681,22 @@ def bind_conv(plan: ConvPlan):
     the plan splits it off), then the epilogue."""
     split, glu = plan.split, plan.glu
     launches = {}  # y's shape and strides -> (the output's `Output`, the epilogue's Recipe)
+    if plan.fused:
+        bound = _bound_depthwise(plan.x, plan.weight, plan.bias)
+        if bound is not None:
+            output, recipe = bound
+
+            def fused(x, weight, bias, stride, padding, dilation, groups):
+                out = output()
+                _launch_depthwise.launch(recipe, (x, weight, bias, out))
+                return out
+
+            return fused
+
+        def unbound(x, weight, bias, stride, padding, dilation, groups):
+            return depthwise_glu(x, weight, bias)
+
+        return unbound
 
     def run(x, weight, bias, stride, padding, dilation, groups):
         y = F.conv2d(x, weight, None if split else bias, stride, padding, dilation, groups)
@@ -634,6 +733,67 @@ def _bound_epilogue(y, bias, glu: bool):
     if recipe.__class__ is str:
         return None
     return Output(shape, stride, y.dtype, y.get_device()), recipe
+
+
+# ---------------------------------------------------------------- the depthwise convolution fused
+
+#: whether `plan_conv_bias_glu` plans the fused depthwise kernel (each geometry is still
+#: verified by the gate against the stock convolution and epilogue)
+DEPTHWISE = True
+
+
+def _depthwise_out(x):
+    """(shape, strides) of eager's result for the depthwise convolution of a channels-last
+    x: cuDNN's output is [B, 2C, H, W] channels-last, and the GLU's result takes
+    TensorIterator's layout of its halves (`_out_strides`)."""
+    B, C2, H, W = x.shape
+    y_stride = (C2 * H * W, 1, W * C2, C2)
+    key = (x.shape, y_stride, x.dtype, False, True)
+    return _strides_cache.get(key, _out_strides, x.shape, y_stride, x.dtype, True, True)
+
+
+def depthwise_launch_shape(C: int, W: int) -> tuple[int, int, int]:
+    """(BLOCK_P, BLOCK_C, num_warps) of the fused depthwise kernel: 64 channels by up
+    to 32 pixels (a row of Sana's 32 x 32 latents) on 4 warps."""
+    return max(1, min(32, next_pow2(W))), min(64, next_pow2(C)), 4
+
+
+def _depthwise_recipe(x, weight, bias, out, form, config=None):
+    B, C2, H, W = x.shape
+    C = C2 // 2
+    block_p, block_c, num_warps = config or depthwise_launch_shape(C, W)
+    so = out.stride()
+    wide = needs_int64((B, x.stride(0)), (C2, x.stride(1)), (H, x.stride(2)), (W, x.stride(3)),
+                       (B, so[0]), (C, so[1]), (H, so[2]), (W, so[3]))
+    return Recipe((cdiv(H * W, block_p), cdiv(C, block_c), B),
+                  (C, H, W, *x.stride(), *so, weight.stride(0), bias.stride(0)),
+                  (wide, block_p, block_c, form, INTERPRET), num_warps)
+
+
+def depthwise_glu(x, weight, bias, out=None, config=None):
+    """`h * silu(g)`, `h, g = conv2d(x, weight, bias, 1, 1, 1, 2C).chunk(2, dim=1)` in one
+    kernel (ungated: the planner and the gate decide where it stands in for eager). x: [B,
+    2C, H, W] channels-last; weight: [2C, 1, 3, 3] (each filter's taps contiguous); bias:
+    [2C]; one dtype. Returns [B, C, H, W] in eager's layout, or writes `out`."""
+    form = _FORMS.get((x.get_device(), x.dtype, True))
+    if form is None:
+        form = silu_form(x.device, x.dtype, True)
+    if out is None:
+        shape, stride = _depthwise_out(x)
+        out = torch.empty_strided(shape, stride, dtype=x.dtype, device=x.device)
+    _launch_depthwise.launch(_depthwise_recipe(x, weight, bias, out, form, config), (x, weight, bias, out))
+    return out
+
+
+def _bound_depthwise(x, weight, bias):
+    """(an `Output` of eager's layout, the Recipe) of the fused kernel for x's geometry,
+    where the SiLU's form is settled; else None."""
+    form = _FORMS.get((x.get_device(), x.dtype, True))
+    if form is None:
+        return None
+    shape, stride = _depthwise_out(x)
+    recipe = _depthwise_recipe(x, weight, bias, torch.empty_strided(shape, stride, dtype=x.dtype, device="meta"), form)
+    return Output(shape, stride, x.dtype, x.get_device()), recipe
 
 
 def conv_bias_silu_reference(x, weight, bias, stride, padding, dilation, groups) -> torch.Tensor:

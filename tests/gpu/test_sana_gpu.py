@@ -34,6 +34,7 @@ from bitfuse.numerics import differing, max_ulp, same_bits
 from bitfuse.ops import SPECS, cases
 from bitfuse.ops import conv_epilogue as E
 from bitfuse.ops import linear_attention as LA
+from bitfuse.ops._params import value
 
 pytestmark = pytest.mark.gpu
 
@@ -213,6 +214,27 @@ def test_conv_ops_at_sana_shapes(dtype, layout):
         assert same_bits(E.launch_conv(plan, out=_poisoned(ref)), ref)
 
 
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("data", cases.DATA)
+def test_fused_depthwise_every_data_draw(dtype, data):
+    """The depthwise convolution and its GLU epilogue in one kernel (`E.depthwise_glu`,
+    planned for a channels-last 16-bit 3x3 depthwise on cuDNN): bitwise the stock
+    convolution + epilogue, in its strides, on every data draw, at Sana's shape and odd
+    ones (image edges in both directions, channel blocks cut short), into poisoned outputs."""
+    for B, C2, H, W in ((2, 2 * HID, 32, 32), (1, 130, 17, 13), (3, 64, 5, 40)):
+        g = torch.Generator(device="cuda").manual_seed(C2 + H)
+        x = cases.draw((B, C2, H, W), dtype, data, g, "cuda", 2.0).contiguous(memory_format=torch.channels_last)
+        w = cases.draw((C2, 1, 3, 3), dtype, "randn", g, "cuda", 1 / 3)
+        b = cases.draw((C2,), dtype, data, g, "cuda")
+        args = (x, w, b, (1, 1), (1, 1), (1, 1), C2)
+        plan = E.plan_conv_bias_glu(*args)
+        assert plan.__class__ is not str and plan.fused, getattr(plan, "key", plan)
+        ref = E.conv_bias_glu_reference(*args)
+        out = E.launch_conv(plan)
+        assert same_bits(out, ref) and out.stride() == ref.stride(), (B, C2, H, W, _describe(out, ref))
+        assert same_bits(E.launch_conv(plan, out=_poisoned(ref)), ref)
+
+
 def test_the_bias_split_itself():
     """What the planner relies on, checked directly: on the Cudnn backend conv2d with a bias
     is conv2d without it, then an eager add_ of the bias."""
@@ -222,6 +244,47 @@ def test_the_bias_split_itself():
         assert same_bits(y, F.conv2d(x, w1, None).add_(b1.reshape(1, -1, 1, 1)))
         z = F.conv2d(y, w2, b2, 1, 1, 1, 2 * HID)
         assert same_bits(z, F.conv2d(y, w2, None, 1, 1, 1, 2 * HID).add_(b2.reshape(1, -1, 1, 1)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("data", cases.DATA)
+def test_gated_residual_with_a_layers_bias_every_data_draw(dtype, data):
+    """The gated residual's y as Folded(bias, output) (to_out's and conv_point's bias,
+    `sites.linear_bias_split` / `conv_bias_split`): bitwise `x + (output + bias) * gate`
+    at Sana's width and an odd one, per-sample and Folded gates, into poisoned outputs."""
+    from bitfuse.ops import gated_residual as GR
+
+    for D_, layout in ((D, "folded"), (D, "per-sample"), (1000, "per-token")):
+        case = cases.Case(2, 1031, D_, dtype, layout, data, seed=3, device="cuda", strided=layout == "per-token")
+        x, y, gate = GR.SPEC.make_args(case)
+        bias = cases.draw((D_,), dtype, data, torch.Generator(device="cuda").manual_seed(4), "cuda")
+        plan = GR.plan_gated_residual(x, sites.Folded(bias, y), gate)
+        assert not isinstance(plan, str), plan
+        ref = x + (y + bias) * value(gate)
+        for _ in range(2):
+            out = GR.launch_gated_residual(plan, out=_poisoned(ref))
+            assert same_bits(out, ref), (D_, layout, _describe(out, ref))
+
+
+def test_the_layers_bias_split_facts_at_sana_shapes():
+    """`sites.linear_bias_split` (to_out on the linear attention's transposed output) and
+    `sites.conv_bias_split` (conv_point on the channels-last GLU output) hand on a
+    Folded whose value is the layer's output, bit for bit and in its layout, both facts
+    verified on this GPU."""
+    torch.manual_seed(6)
+    lin = torch.nn.Linear(D, D).cuda().to(torch.bfloat16)
+    conv = torch.nn.Conv2d(HID, D, 1).cuda().to(torch.bfloat16)
+    x = torch.randn(2, D, 1024, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    z = _tokens_as_nchw(2, 32, 32, HID, torch.bfloat16, seed=7)
+    with torch.no_grad():
+        for layer, inp in ((lin, x), (conv, z)):
+            ref = layer(inp)
+            for _ in range(2):
+                got = (sites.linear_bias_split if layer is lin else sites.conv_bias_split)(layer, inp)
+                assert got.__class__ is sites.Folded, type(layer).__name__
+                assert same_bits(got.value(), ref) and got.value().stride() == ref.stride(), _describe(got.value(), ref)
+    found = {v.op: v.status for v in policy.verdicts()}
+    assert found == {"linear_bias_split": "verified", "conv_bias_split": "verified"}, found
 
 
 def test_conv_sites_verify_on_glumbconv():
@@ -296,8 +359,9 @@ def _check_lossless(model, calls):
     assert not bad, "; ".join(f"{v.signature}: {v.status} {v.detail}" for v in bad)
     ops = {v.op for v in policy.verdicts()}
     assert ops >= {"layer_norm_modulate", "gated_residual", "conv_bias_silu", "conv_bias_glu", "linear_attention",
-                   "projections"}, \
+                   "projections", "linear_bias_split", "conv_bias_split"}, \
         _verdicts()
+    assert any(v.op == "gated_residual" and v.signature.endswith("y+bias") for v in policy.verdicts()), _verdicts()
     layers = len(model.transformer_blocks)
     captions = [v for v in policy.verdicts() if v.op == "projections" and f"N={(2240,) * 2 * layers}" in v.signature]
     assert captions and all(v.active for v in captions), _verdicts()  # every block's caption k, v: one GEMM
