@@ -76,6 +76,16 @@ filter (every call from Sana's blocks). Everything else runs as diffusers runs i
 Sana without CUDA graphs is host-bound (bench/NOTES.md), which is what these
 host-side cuts are for.
 
+Biases added apart. Eager adds two layers' biases as ops of their own: `to_out` on the
+linear attention's transposed output (aten's `linear` there is a matmul, then `add_`)
+and `conv_point` (cuDNN's convolution, then `add_`). The block gets both outputs as
+`Folded(bias, product)` (`sites.linear_bias_split`, `sites.conv_bias_split`, each
+checked at first sight per geometry against the layer's own call; `_self_attention` and
+`_feed_forward` ask the attention and GLUMBConv copies for them), and the gated
+residual's kernel adds the bias with eager's rounding: two elementwise ops a block
+fewer. The depthwise convolution itself runs in the GLU epilogue's kernel where the
+gate finds cuDNN's bits there (`ops.conv_epilogue.depthwise_glu`).
+
 The copies are valid only for the diffusers source they were taken from:
 `accelerate` checks the diffusers version (0.42.x) and the sha256 of every copied
 function (`SOURCES`), and refuses otherwise unless `force=True`.
