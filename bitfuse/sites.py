@@ -244,7 +244,7 @@ def gated_residual_site(x, y, gate):
     """`x + y * gate` (also `x + gate * y`: the product commutes bitwise), bit-exact
     in every tier. x, y: the same shape [B, S, D] or [N, D]; gate broadcasts to it
     (or Folded); y may be Folded too (a layer's output and the bias eager adds
-    after it: `linear_bias_split`, `conv_bias_split`). Returns a tensor of x's shape and dtype, laid out as eager's (a
+    after it: `linear_bias_split`). Returns a tensor of x's shape and dtype, laid out as eager's (a
     permuted x, whose eager result keeps its layout, takes eager)."""
     if _plain():
         return x + value(y) * value(gate)
@@ -801,34 +801,6 @@ def linear_bias_split(linear, x):
     return Folded(b, torch.matmul(x, w.t()))
 
 
-def conv_bias_split(conv, x):
-    """`conv(x)` for an `nn.Conv2d` with a bias that eager's backend adds as an op of its
-    own (cuDNN: `at::_convolution` runs `cudnn_convolution`, then `add_` of the bias;
-    Sana's `conv_point`), as `Folded(bias viewed [C, 1, 1], conv2d(x, weight, None,
-    ...))`, checked at first sight per geometry; else `conv(x)` itself. x: [B, C_in, H,
-    W]. Returns a Folded or a tensor; `value()` of the Folded is the layer's output, bit
-    for bit (layout included)."""
-    if _plain() or type(conv) is not torch.nn.Conv2d or not _plain_module(conv) or conv.padding_mode != "zeros" \
-            or isinstance(conv.padding, str) or torch.is_grad_enabled():
-        return conv(x)
-    p = conv._parameters
-    w, b = p["weight"], p["bias"]
-    args = (tuple(conv.stride), tuple(conv.padding), tuple(conv.dilation), conv.groups)
-    if b is None or x.__class__ is not torch.Tensor or x.dim() != 4 or w.__class__ not in _PLAIN_TENSORS \
-            or b.__class__ not in _PLAIN_TENSORS or common_device_dtype(x, w, b):
-        return conv(x)
-    backend = conv_epilogue.conv_backend(x, w, b, *args)
-    if backend not in conv_epilogue.SPLIT_BACKENDS or conv_epilogue.conv_backend(x, w, None, *args) != backend:
-        return conv(x)
-    sig = (backend, x.dtype, x.get_device(), tuple(x.shape), x.stride(), tuple(w.shape), w.stride(), b.stride(), *args,
-           torch._C._get_cudnn_enabled())
-    conv2d = torch.nn.functional.conv2d
-    if not policy.fact("conv_bias_split", sig,
-                       lambda: _split_holds(conv2d(x, w, b, *args), b.view(-1, 1, 1), conv2d(x, w, None, *args))):
-        return conv(x)
-    return Folded(b.view(-1, 1, 1), conv2d(x, w, None, *args))
-
-
 # ---------------------------------------------------------------- linear attention (Sana)
 
 
@@ -967,7 +939,6 @@ __all__ = [
     "conv_bias_glu_site",
     "linear_attention_site",
     "linear_bias_split",
-    "conv_bias_split",
     "linear_projections_site",
     "pack_linears",
     "linears_packed",

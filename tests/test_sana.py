@@ -630,8 +630,7 @@ def test_the_kernels_run_through_the_gate(monkeypatch):
     self-attention's to_out bias left to it (a Folded y: `linear_bias_split`, itself
     checked against the layer's call), and the GLU epilogue site plans and is judged at
     first sight; whatever a verdict (the LayerNorm kernel reproduces CUDA's reduction
-    order, the interpreter's SiLU is numpy's), the output keeps stock's bits. (The CPU's
-    convolution adds its bias inside: conv_point keeps its call here.)"""
+    order, the interpreter's SiLU is numpy's), the output keeps stock's bits."""
     model = _model("1.0")
     kw = _inputs(model, 2, 3, text_lengths=[2, 3])
     ref = run(model, kw)
@@ -643,7 +642,6 @@ def test_the_kernels_run_through_the_gate(monkeypatch):
     assert {v.signature.split(" ", 3)[3] for v in verdicts if v.op == "gated_residual" and v.active} == {
         "per-sample/strided+table", "per-sample/strided+table y+bias"}, [v.signature for v in verdicts]
     assert [v.active for v in verdicts if v.op == "linear_bias_split"] == [True], [v.signature for v in verdicts]
-    assert not any(v.op == "conv_bias_split" for v in verdicts), [v.signature for v in verdicts]
     assert any(v.op == "layer_norm_modulate" for v in verdicts), [v.signature for v in verdicts]
     assert any(v.op == "conv_bias_glu" for v in verdicts), [v.signature for v in verdicts]
     assert any(v.op == "linear_attention" and v.active for v in verdicts), [v.signature for v in verdicts]

@@ -422,32 +422,6 @@ def test_linear_bias_split_falls_back_where_the_fact_fails(monkeypatch):
         assert sites.linear_bias_split(lin, x).__class__ is torch.Tensor
 
 
-def test_conv_bias_split_only_where_the_backend_adds_the_bias_apart(monkeypatch):
-    """`conv_bias_split` leaves the bias out only on a backend that adds it as its own op
-    (cuDNN); the CPU's convolution adds it inside, so there it is the layer's call. Told
-    the CPU backend splits, the first-sight check finds out (or agrees) and the value
-    handed on is the layer's output either way."""
-    monkeypatch.setattr(_params, "INTERPRET_ON_CPU", True)
-    torch.manual_seed(4)
-    conv = torch.nn.Conv2d(6, 4, 1)
-    x = torch.randn(2, 6, 3, 5).to(memory_format=torch.channels_last)
-    with torch.no_grad():
-        ref = conv(x)
-        got = sites.conv_bias_split(conv, x)
-        assert got.__class__ is torch.Tensor and same_bits(got, ref) and bitfuse.verdicts() == []
-        from bitfuse.ops import conv_epilogue
-
-        monkeypatch.setattr(conv_epilogue, "conv_backend", lambda *a: "Cudnn")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", policy.FallbackWarning)
-            got = sites.conv_bias_split(conv, x)
-        value = got.value() if got.__class__ is sites.Folded else got
-        assert same_bits(value, ref) and value.stride() == ref.stride()
-        assert [v.op for v in bitfuse.verdicts()] == ["conv_bias_split"]
-        if got.__class__ is sites.Folded:
-            assert got.table.shape == (4, 1, 1)
-
-
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs triton's interpreter (CPU runs)")
 @pytest.mark.parametrize("data", ["randn", "special", "zeros"])
 @pytest.mark.parametrize("strided", [False, True])

@@ -76,22 +76,20 @@ filter (every call from Sana's blocks). Everything else runs as diffusers runs i
 Sana without CUDA graphs is host-bound (bench/NOTES.md), which is what these
 host-side cuts are for.
 
-Biases added apart. Eager adds two layers' biases as ops of their own: `to_out` on the
-linear attention's transposed output (aten's `linear` there is a matmul, then `add_`)
-and `conv_point` (cuDNN's convolution, then `add_`). The block gets both outputs as
-`Folded(bias, product)` (`sites.linear_bias_split`, `sites.conv_bias_split`, each
-checked at first sight per geometry against the layer's own call; `_self_attention` and
-`_feed_forward` ask the attention and GLUMBConv copies for them), and the gated
-residual's kernel adds the bias with eager's rounding: two elementwise ops a block
-fewer. The depthwise convolution itself runs in the GLU epilogue's kernel where the
-gate finds cuDNN's bits there (`ops.conv_epilogue.depthwise_glu`).
+A bias added apart. Eager adds the self-attention's `to_out` bias as an op of its own
+(aten's `linear` on the linear attention's transposed output is a matmul, then `add_`).
+The block gets that output as `Folded(bias, product)` (`sites.linear_bias_split`,
+checked at first sight per geometry against the layer's own call; `_self_attention`
+asks the processor copy for it), and the gated residual's kernel adds the bias with
+eager's rounding: one elementwise op a block fewer. (`conv_point` has no bias.) The
+depthwise convolution itself runs in the GLU epilogue's kernel, which sums its taps in
+cuDNN's order (`ops.conv_epilogue.depthwise_glu`, verified per geometry by the gate).
 
 The copies are valid only for the diffusers source they were taken from:
 `accelerate` checks the diffusers version (0.42.x) and the sha256 of every copied
 function (`SOURCES`), and refuses otherwise unless `force=True`.
 """
 
-import contextvars
 import weakref
 
 import torch
@@ -198,8 +196,7 @@ def _block_forward(
     # diffusers: norm_hidden_states = norm_hidden_states.unflatten(1, (height, width)).permute(0, 3, 1, 2)
     norm_hidden_states = _tokens_as_nchw(norm_hidden_states, height, width)
     # diffusers: ff_output = self.ff(norm_hidden_states)
-    # bitfuse: conv_point's bias may come back not added (a Folded), for the gated residual's kernel (`_feed_forward`)
-    ff_output = _feed_forward(self.ff, norm_hidden_states)
+    ff_output = _direct.call(self.ff, norm_hidden_states)
     # diffusers: ff_output = ff_output.flatten(2, 3).permute(0, 2, 1)
     ff_output = _nchw_as_tokens(ff_output)
     # diffusers: hidden_states = hidden_states + gate_mlp * ff_output
@@ -269,34 +266,10 @@ def _self_attention(attn, x):
     return _direct.call(attn, x)
 
 
-def _feed_forward(ff, x):
-    """`ff(x)`, a block's GLUMBConv. Where nothing steps into the call and it runs our
-    forward, with `defer_bias`: conv_point's output may come back as `Folded(bias,
-    product)` (where eager adds the bias as an op of its own: `sites.conv_bias_split`),
-    whose `value()` is the tensor `ff(x)` returns; else `ff(x)`. (The flag is a context
-    variable: GLUMBConv.forward's signature stays diffusers'.)"""
-    forward = ff.__dict__.get("forward")
-    if getattr(forward, "__func__", None) is _glumbconv_forward and _direct.plain(ff):
-        token = _defer_bias.set(True)
-        try:
-            return _glumbconv_forward(ff, x)
-        finally:
-            _defer_bias.reset(token)
-    return _direct.call(ff, x)
-
-
-#: set by `_feed_forward` around its GLUMBConv call: conv_point's bias may be left to the caller
-_defer_bias: contextvars.ContextVar[bool] = contextvars.ContextVar("bitfuse_sana_defer_bias", default=False)
-
-
 def _nchw_as_tokens(y):
     """`y.flatten(2, 3).permute(0, 2, 1)` for y [B, C, H, W]: the same view in one call
     where the flatten is a view (W's stride times W is H's, as in the channels-last
-    output of GLUMBConv), outside tracing; else those two calls (a flatten that copies).
-    A Folded y (conv_point's output and its [C, 1, 1] bias, `_feed_forward`) stays
-    Folded: its output as tokens, the bias as the [C] row they broadcast against."""
-    if y.__class__ is sites.Folded:
-        return sites.Folded(y.table.view(-1), _nchw_as_tokens(y.temb))
+    output of GLUMBConv), outside tracing; else those two calls (a flatten that copies)."""
     if torch.compiler.is_compiling() or y.dim() != 4:
         return y.flatten(2, 3).permute(0, 2, 1)
     sb, sc, sh, sw = y.stride()
@@ -332,9 +305,7 @@ def _merged_heads(o, batch_size, inner_dim):
 
 
 def _glumbconv_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    """diffusers 0.42.1 `GLUMBConv.forward`, the two convolution epilogues through bitfuse;
-    called by `_feed_forward` (`_defer_bias` set), conv_point's output may be a Folded
-    (`sites.conv_bias_split`) where nothing follows it here."""
+    """diffusers 0.42.1 `GLUMBConv.forward`, the two convolution epilogues through bitfuse."""
     if self.residual_connection:
         residual = hidden_states
 
@@ -348,10 +319,6 @@ def _glumbconv_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     hidden_states = sites.conv_bias_glu_site(self.conv_depth, self.nonlinearity, hidden_states)
 
     # diffusers: hidden_states = self.conv_point(hidden_states)
-    # bitfuse: its bias left to the caller's kernel where eager adds it as an op of its own and nothing follows here
-    if not torch.compiler.is_compiling() and _defer_bias.get() and self.norm_type != "rms_norm" \
-            and not self.residual_connection:
-        return sites.conv_bias_split(self.conv_point, hidden_states)
     hidden_states = _direct.call(self.conv_point, hidden_states)
 
     if self.norm_type == "rms_norm":
