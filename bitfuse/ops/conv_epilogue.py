@@ -74,6 +74,21 @@ nvcc emits it). Triton links libdevice with flush-to-zero on; that changes
 to the storage dtype: after the bias add (eager's add_), after the SiLU (eager's
 silu), after the product (eager's mul); FMA contraction off.
 
+THE DEPTHWISE CONVOLUTION IN THE GLU KERNEL. cuDNN's 3x3 depthwise convolution sums
+each output's nine products in fp32 in row-major tap order (kh, then kw), from 0: on
+the H100 and H200 with cuDNN 9.19 every output of Sana's [2, 11200, 32, 32] (bf16 and
+fp16, channels-last and contiguous) and of odd shapes equals that sum rounded to the
+dtype, where column-major, reversed, row-sums-first, tree and centre-first orders
+differ (bench/NOTES.md, 2026-12-06). A product of two 16-bit values is exact in fp32,
+so the order is all there is to match. `depthwise_glu` therefore computes the
+convolution, cuDNN's rounding of it, the bias add_, the SiLU and the product in one
+kernel, and `plan_conv_bias_glu` plans it for a channels-last 16-bit 3x3 depthwise
+convolution, stride 1, padding 1, on a backend that adds the bias apart (`DEPTHWISE`):
+its own gate signature ("convolution fused"), verified per geometry at first sight
+against the stock convolution and epilogue, like every kernel (another cuDNN, another
+order: a mismatch, and eager's path). One library call and one launch a block fewer
+in Sana's host-bound forward; on the GPU about level with cuDNN + the epilogue.
+
 CHEAPER SILUS, CHECKED WHOLE. That SiLU (libdevice's expf, then `div.rn.f32` with its
 range check and slow-path branch) made the bias + SiLU kernel compute-bound: 79% of
 the copy ceiling on the H200. But for bf16 and fp16 the SiLU's input is a value of
