@@ -36,6 +36,7 @@ import torch
 from torch.nn.modules import module as _nn_module
 
 from . import policy
+from .numerics import differing, same_bits
 from .ops import (
     conv_epilogue,
     gated_residual,
@@ -244,8 +245,8 @@ def gated_residual_site(x, y, gate):
     """`x + y * gate` (also `x + gate * y`: the product commutes bitwise), bit-exact
     in every tier. x, y: the same shape [B, S, D] or [N, D]; gate broadcasts to it
     (or Folded); y may be Folded too (a layer's output and the bias eager adds
-    after it: `linear_bias_split`). Returns a tensor of x's shape and dtype, laid out as eager's (a
-    permuted x, whose eager result keeps its layout, takes eager)."""
+    after it: `linear_bias_split`). Returns a tensor of x's shape and dtype, laid
+    out as eager's (a permuted x, whose eager result keeps its layout, takes eager)."""
     if _plain():
         return x + value(y) * value(gate)
     args = (x, y, gate)
@@ -771,8 +772,8 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 def _split_holds(ref, bias, product):
     """None where `bias + product` is `ref` bit for bit (values and layout), else why not."""
     value_ = bias + product
-    if not policy.same_bits(value_, ref):
-        return f"{policy.differing(value_, ref)} of {ref.numel()} elements differ from the layer's own call"
+    if not same_bits(value_, ref):
+        return f"{differing(value_, ref)} of {ref.numel()} elements differ from the layer's own call"
     if value_.stride() != ref.stride():
         return f"the sum's strides {value_.stride()} are not the layer's {ref.stride()}"
     return None
