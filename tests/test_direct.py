@@ -127,3 +127,22 @@ def test_item_is_module_list_indexing():
         _direct.item(ml, len(ml))
     seq = torch.nn.Sequential(a, b)
     assert _direct.item(seq, 1) is seq[1] and _direct.item([a, b], 0) is a
+
+
+def test_identity_is_a_dropout_that_returns_its_input():
+    """`identity(module)`: the module call returns its input itself (eval-mode or p = 0
+    dropout, nothing stepping in); a training dropout, a hooked one, a subclass or any
+    other module: no."""
+    for name in ("dropout", "dropout p=0, training"):
+        module, x = _modules()[name]
+        assert _direct.identity(module) and module(x) is x
+    assert not _direct.identity(torch.nn.Dropout(0.3))  # training
+    assert not _direct.identity(_modules()["gelu"][0])
+    hooked = torch.nn.Dropout(0.3).eval()
+    hooked.register_forward_hook(lambda m, args, out: None)
+    assert not _direct.identity(hooked)
+
+    class Sub(torch.nn.Dropout):
+        pass
+
+    assert not _direct.identity(Sub(0.3).eval())

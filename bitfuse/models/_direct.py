@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from .. import sites
 
-__all__ = ["call", "item", "plain"]
+__all__ = ["call", "identity", "item", "plain"]
 
 
 def plain(module) -> bool:
@@ -43,13 +43,23 @@ def call(module, x, *args, **kwargs):
     if cls is torch.nn.Linear:
         p = module._parameters
         return F.linear(x, p["weight"], p["bias"])
-    if cls is torch.nn.Dropout and type(x) is torch.Tensor \
-            and (module.p == 0 or (not module.training and 0 <= module.p <= 1)):
+    if cls is torch.nn.Dropout and type(x) is torch.Tensor and _dropout_off(module):
         return x
     if cls is torch.nn.Conv2d and module.padding_mode == "zeros":
         p = module._parameters
         return F.conv2d(x, p["weight"], p["bias"], module.stride, module.padding, module.dilation, module.groups)
     return module.forward(x)
+
+
+def identity(module) -> bool:
+    """Calling `module` now returns its input itself: an `nn.Dropout` (the class itself)
+    in eval mode or with p = 0, `plain`, without an instance forward (`call`'s own case)."""
+    return type(module) is torch.nn.Dropout and "forward" not in module.__dict__ and plain(module) \
+        and _dropout_off(module)
+
+
+def _dropout_off(module) -> bool:
+    return module.p == 0 or (not module.training and 0 <= module.p <= 1)
 
 
 def item(modules, i: int):

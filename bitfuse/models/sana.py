@@ -397,7 +397,7 @@ class _LinearAttnProcessor(SanaLinearAttnProcessor2_0):
         # bitfuse: with `defer_bias`, where to_out[1] is the identity and no fp16 clip follows, to_out[0]'s
         # bitfuse: bias is left to the caller's kernel where eager adds it as an op of its own
         dropout = _direct.item(attn.to_out, 1)
-        if defer_bias and original_dtype != torch.float16 and _identity(dropout):
+        if defer_bias and original_dtype != torch.float16 and _direct.identity(dropout):
             return sites.linear_bias_split(_direct.item(attn.to_out, 0), hidden_states)
         hidden_states = _direct.call(_direct.item(attn.to_out, 0), hidden_states)
         hidden_states = _direct.call(dropout, hidden_states)
@@ -406,13 +406,6 @@ class _LinearAttnProcessor(SanaLinearAttnProcessor2_0):
             hidden_states = hidden_states.clip(-65504, 65504)
 
         return hidden_states
-
-
-def _identity(dropout) -> bool:
-    """Calling `dropout` returns its input itself: an `nn.Dropout` in eval mode (or p = 0)
-    that nothing steps into (`_direct.call`'s own case)."""
-    return type(dropout) is torch.nn.Dropout and "forward" not in dropout.__dict__ and _direct.plain(dropout) \
-        and (dropout.p == 0 or (not dropout.training and 0 <= dropout.p <= 1))
 
 
 class _CrossAttnProcessor(SanaAttnProcessor2_0):

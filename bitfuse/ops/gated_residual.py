@@ -95,8 +95,8 @@ def _gated_residual_kernel(
     tl.store(out_ptr + (((b * S + s) * D)[:, None] + cols[None, :]), out.to(dtype), mask=mask)
 
 
-_launch = FastLaunch(_gated_residual_kernel, ("GATE_PER_ROW", "GATE_TABLE", "Y_TABLE", "F32", "EVEN", "INT64", "BLOCK_R", "BLOCK_D",
-                                              "NCB"))
+_launch = FastLaunch(_gated_residual_kernel, ("GATE_PER_ROW", "GATE_TABLE", "Y_TABLE", "F32", "EVEN", "INT64",
+                                              "BLOCK_R", "BLOCK_D", "NCB"))
 
 
 # ---------------------------------------------------------------- launcher
@@ -126,7 +126,7 @@ def plan_gated_residual(x, y, gate, tier: str = "lossless") -> GatedResidualPlan
     """The guard: a plan for the kernel, or the reason the call takes the reference.
     `gate` may be Folded (table row + temb, added with eager's rounding), and so may
     `y` (a [D] bias row + the branch's output of x's shape: a layer's output whose bias
-    eager adds as a separate op, `sites.linear_deferred_bias`)."""
+    eager adds as a separate op, `sites.linear_bias_split`)."""
     if not HAS_TRITON:
         return "triton is not installed"
     table = y_table = None
@@ -164,8 +164,6 @@ def plan_gated_residual_f32(x, y, gate, tier: str = "lossless") -> GatedResidual
         return "gate is not a tensor"
     elif gate.dtype is not torch.float32:
         return "gate is not fp32 (the fp32-compute variant)"
-    if not isinstance(y, torch.Tensor):
-        return "y is not a tensor (the fp32-compute variant)"
     why = common_device_dtype(x, y) or _same_device_no_grad(x, gate, table)
     if why:
         return why
