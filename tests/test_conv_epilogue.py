@@ -407,22 +407,30 @@ def _taps_fp32(x, w):
 
 
 @interpreter
-@pytest.mark.parametrize("shape", [(2, 12, 5, 7), (1, 130, 3, 4), (3, 4, 1, 9)])
-def test_fused_depthwise_indexing(shape):
+@pytest.mark.parametrize("shape, config", [
+    ((2, 12, 5, 7), None),  # the default shape: fewer rows and pixels than a program's
+    ((1, 130, 3, 4), None),  # two channel blocks, the second cut short
+    ((3, 4, 1, 9), None),  # one row (its neighbours all padding); two pixel blocks
+    ((2, 12, 9, 7), (4, 4, 2, 1, 2)),  # row blocks of 2 over 9 rows: each block's halo rows
+    ((1, 6, 17, 3), (2, 4, 5, 1, 4)),  # 5-row blocks over 17; 4 channels a thread, 3 of them real
+    ((2, 10, 6, 5), (8, 2, 4, 1, 1)),  # one channel a thread
+], ids=str)
+def test_fused_depthwise_indexing(shape, config):
     """`depthwise_glu` under the interpreter (fp32): every output pixel's nine taps, the
-    image's edges (zero padding), channel blocks cut short, both halves of the channels,
-    the bias and the GLU; into eager's strides and into a poisoned `out`."""
+    image's edges (zero padding), the row blocks a program walks and the input rows they
+    share, pixel and channel blocks cut short, both halves of the channels, the bias and
+    the GLU; into eager's strides and into a poisoned `out`."""
     g = torch.Generator().manual_seed(sum(shape))
     x = torch.randn(*shape, generator=g).contiguous(memory_format=torch.channels_last)
     w, b = torch.randn(shape[1], 1, 3, 3, generator=g), torch.randn(shape[1], generator=g)
     ref = np_bias_glu(_taps_fp32(x, w), b)
     with cpu_kernels():
         E._FORMS.setdefault((-1, torch.float32, True), 0)
-        out = E.depthwise_glu(x, w, b)
+        out = E.depthwise_glu(x, w, b, config=config)
         assert same_bits(out, ref)
         assert out.stride() == E.conv_bias_glu_reference(x, w, b, 1, 1, 1, shape[1]).stride()
         poisoned = torch.full_like(ref, float("nan"))
-        assert same_bits(E.depthwise_glu(x, w, b, out=poisoned), ref)
+        assert same_bits(E.depthwise_glu(x, w, b, out=poisoned, config=config), ref)
 
 
 def test_the_depthwise_convolution_fuses_only_its_own_case(monkeypatch):

@@ -86,8 +86,12 @@ kernel, and `plan_conv_bias_glu` plans it for a channels-last 16-bit 3x3 depthwi
 convolution, stride 1, padding 1, on a backend that adds the bias apart (`DEPTHWISE`):
 its own gate signature ("convolution fused"), verified per geometry at first sight
 against the stock convolution and epilogue, like every kernel (another cuDNN, another
-order: a mismatch, and eager's path). One library call and one launch a block fewer
-in Sana's host-bound forward; on the GPU about level with cuDNN + the epilogue.
+order: a mismatch, and eager's path). A program walks a column of the image down its
+rows and reads each input row once, adding its taps to the three output rows it
+touches in that order. One library call and one launch a block fewer in Sana's
+forward, and faster on the GPU: 68.2 us at Sana's shape on the H100, against 82.9 for
+an earlier fused kernel that loaded each of the nine taps apart (itself level with
+cuDNN + the epilogue).
 
 CHEAPER SILUS, CHECKED WHOLE. That SiLU (libdevice's expf, then `div.rn.f32` with its
 range check and slow-path branch) made the bias + SiLU kernel compute-bound: 79% of
@@ -255,25 +259,29 @@ _launch = FastLaunch(_epilogue_kernel, ("HAS_BIAS", "GLU", "CL", "EVEN", "INT64"
 
 
 @jit
-def _depthwise3x3(y_ptr, w_ptr, base, c, c_ok, ph, pw, p_ok, H, W, y_sc, y_sh, y_sw, w_sc):
-    """A [pixels, channels] tile of a 3x3 depthwise convolution (stride 1, zero padding
-    1) without its bias, in fp32, as cuDNN's depthwise kernel sums it (`DEPTHWISE`): the
-    nine taps in row-major order, each accumulated by one FMA from 0 (a product of two
-    16-bit values is exact in fp32; the FMA keeps the order's roundings where a
-    product would underflow). A tap outside the image adds x = 0."""
-    acc = tl.zeros((ph.shape[0], c.shape[0]), tl.float32)
-    for kh in tl.static_range(3):
-        ih = ph + (kh - 1)
-        row_ok = p_ok & (ih >= 0) & (ih < H)
-        for kw in tl.static_range(3):
-            iw = pw + (kw - 1)
-            ok = row_ok & (iw >= 0) & (iw < W)
-            v = tl.load(y_ptr + (base + (ih * y_sh + iw * y_sw)[:, None] + (c * y_sc)[None, :]),
-                        mask=ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
-            wv = tl.load(w_ptr + (c * w_sc + (kh * 3 + kw)), mask=c_ok, other=0.0,
-                         eviction_policy="evict_last").to(tl.float32)
-            acc = tl.fma(v, wv[None, :], acc)
-    return acc
+def _row_taps(ptr, y_sw, w_ptr, wc, c_ok, row_ok, col_ok0, col_ok1, col_ok2, P, Q):
+    """One input row's contributions to the three output rows it touches, in cuDNN's tap
+    order: its three taps (kw = 0, 1, 2; `ptr` points at column kw = 0) as taps kh = 2 of
+    the output row above (P, whose sum this completes), kh = 1 of the output row at it
+    (Q), and kh = 0 of the output row below (returned N, a sum begun from 0). Each tap
+    one FMA (a product of two 16-bit values is exact in fp32; the FMA keeps the order's
+    roundings where a product would underflow); a tap outside the image adds x = 0."""
+    N = tl.zeros(P.shape, tl.float32)
+    for kw in tl.static_range(3):
+        if kw == 0:
+            col_ok = col_ok0
+        elif kw == 1:
+            col_ok = col_ok1
+        else:
+            col_ok = col_ok2
+        v = tl.load(ptr + kw * y_sw, mask=(row_ok & col_ok)[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + (wc + (6 + kw)), mask=c_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        w1 = tl.load(w_ptr + (wc + (3 + kw)), mask=c_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        w0 = tl.load(w_ptr + (wc + kw), mask=c_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        P = tl.fma(v, w2[None, :], P)
+        Q = tl.fma(v, w1[None, :], Q)
+        N = tl.fma(v, w0[None, :], N)
+    return P, Q, N
 
 
 @jit
@@ -284,41 +292,69 @@ def _depthwise_glu_kernel(
     o_sb, o_sc, o_sh, o_sw,
     w_sc, b_s,
     INT64: tl.constexpr,
-    BLOCK_P: tl.constexpr,
+    BLOCK_W: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    ROWS: tl.constexpr,
+    VEC_C: tl.constexpr,
     SILU: tl.constexpr,
     INTERP: tl.constexpr,
 ):
-    """`h * silu(g)`, `h, g = conv2d(y, w, bias, 1, 1, 1, 2C).chunk(2, dim=1)`: the depthwise
-    convolution of both halves (`_depthwise3x3`, rounded to the dtype as cuDNN's output),
-    eager's bias add_ (rounded), the gate's SiLU (rounded) and the product, for a tile of
-    pixels (program 0: pixel blocks) and output channels (program 1), sample program 2."""
+    """`h * silu(g)`, `h, g = conv2d(y, w, bias, 1, 1, 1, 2C).chunk(2, dim=1)`: the 3x3
+    depthwise convolution (stride 1, zero padding 1) of both halves, summed as cuDNN sums
+    it (`DEPTHWISE`) and rounded to the dtype as its output, eager's bias add_ (rounded),
+    the gate's SiLU (rounded) and the product.
+
+    Each input row is read once: a program walks ROWS output rows of a [BLOCK_W pixels,
+    BLOCK_C channels] column of the image from the top, streaming input rows h0 - 1 ...
+    h0 + ROWS; each row's taps go into the three output rows it touches (`_row_taps`), so
+    every output still sums its nine taps in row-major order from 0, and an output row
+    is finished (epilogue, store) once its last input row is in. Program 0: (row block,
+    pixel block), 1: channel block, 2: sample. VEC_C: channels a thread holds (the index
+    is contiguous in runs of VEC_C only, so that Triton does not give a thread 8
+    channels: 8 of each of the 18 taps' weights then no longer fit in registers)."""
     b = tl.program_id(2)
-    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    nwb = tl.cdiv(W, BLOCK_W)
+    h0 = (tl.program_id(0) // nwb) * ROWS
+    pw = (tl.program_id(0) % nwb) * BLOCK_W + tl.arange(0, BLOCK_W)
+    k = tl.arange(0, BLOCK_C)
+    c = tl.program_id(1) * BLOCK_C + (k // VEC_C) * VEC_C + k % VEC_C
     if INT64:
         b = b.to(tl.int64)
-        p = p.to(tl.int64)
+        h0 = h0.to(tl.int64)
+        pw = pw.to(tl.int64)
         c = c.to(tl.int64)
-    p_ok = p < H * W
     c_ok = c < C
-    ph = p // W
-    pw = p - ph * W
+    w_ok = pw < W
+    col_ok0 = (pw >= 1) & (pw <= W)  # column pw - 1 in the image
+    col_ok2 = pw + 1 < W
     dtype = out_ptr.dtype.element_ty
-    base = b * y_sb
-    h = _depthwise3x3(y_ptr, w_ptr, base, c, c_ok, ph, pw, p_ok, H, W, y_sc, y_sh, y_sw, w_sc)
-    g = _depthwise3x3(y_ptr, w_ptr, base, c + C, c_ok, ph, pw, p_ok, H, W, y_sc, y_sh, y_sw, w_sc)
     bh = tl.load(bias_ptr + c * b_s, mask=c_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)
     bg = tl.load(bias_ptr + (c + C) * b_s, mask=c_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    h = (h.to(dtype).to(tl.float32) + bh[None, :]).to(dtype).to(tl.float32)  # cuDNN's output, eager's add_
-    g = (g.to(dtype).to(tl.float32) + bg[None, :]).to(dtype).to(tl.float32)
-    s = _silu(g, SILU, INTERP).to(dtype).to(tl.float32)  # eager: silu(gate)
-    out = h * s  # eager: hidden * silu(gate)
-    tl.store(out_ptr + (b * o_sb + (ph * o_sh + pw * o_sw)[:, None] + (c * o_sc)[None, :]), out.to(dtype),
-             mask=p_ok[:, None] & c_ok[None, :])
+    Ph = tl.zeros((BLOCK_W, BLOCK_C), tl.float32)
+    Qh = tl.zeros((BLOCK_W, BLOCK_C), tl.float32)
+    Pg = tl.zeros((BLOCK_W, BLOCK_C), tl.float32)
+    Qg = tl.zeros((BLOCK_W, BLOCK_C), tl.float32)
+    for i in range(ROWS + 2):
+        row = h0 - 1 + i  # the input row; it completes output row `row - 1`
+        rows = pw * 0 + row  # as a vector: Triton's interpreter types a vector & scalar mask int32
+        row_ok = (rows >= 0) & (rows < H)
+        ph = y_ptr + (b * y_sb + row * y_sh + ((pw - 1) * y_sw)[:, None] + (c * y_sc)[None, :])
+        Ph, Qh, Nh = _row_taps(ph, y_sw, w_ptr, c * w_sc, c_ok, row_ok, col_ok0, w_ok, col_ok2, Ph, Qh)
+        Pg, Qg, Ng = _row_taps(ph + C * y_sc, y_sw, w_ptr, (c + C) * w_sc, c_ok, row_ok, col_ok0, w_ok, col_ok2,
+                               Pg, Qg)
+        oh = row - 1
+        if (oh >= h0) & (oh < H):
+            h = (Ph.to(dtype).to(tl.float32) + bh[None, :]).to(dtype).to(tl.float32)  # cuDNN's output, eager's add_
+            g = (Pg.to(dtype).to(tl.float32) + bg[None, :]).to(dtype).to(tl.float32)
+            s = _silu(g, SILU, INTERP).to(dtype).to(tl.float32)  # eager: silu(gate)
+            out = h * s  # eager: hidden * silu(gate)
+            tl.store(out_ptr + (b * o_sb + oh * o_sh + (pw * o_sw)[:, None] + (c * o_sc)[None, :]), out.to(dtype),
+                     mask=w_ok[:, None] & c_ok[None, :])
+        Ph, Qh, Pg, Qg = Qh, Nh, Qg, Ng
 
 
-_launch_depthwise = FastLaunch(_depthwise_glu_kernel, ("INT64", "BLOCK_P", "BLOCK_C", "SILU", "INTERP"))
+_launch_depthwise = FastLaunch(_depthwise_glu_kernel, ("INT64", "BLOCK_W", "BLOCK_C", "ROWS", "VEC_C", "SILU",
+                                                       "INTERP"))
 
 
 # ---------------------------------------------------------------- geometry
@@ -767,24 +803,26 @@ def _depthwise_out(x):
     return _strides_cache.get(key, _out_strides, x.shape, y_stride, x.dtype, True, True)
 
 
-def depthwise_launch_shape(C: int, W: int) -> tuple[int, int, int]:
-    """(BLOCK_P, BLOCK_C, num_warps) of the fused depthwise kernel: 64 channels by up to
-    16 pixels on one warp, the fastest of 14 shapes at Sana's [2, 11200, 32, 32] on the
-    H200 (79.8 us; 32 x 32 on 2 warps 88.2, 64 x 32 on 4 88.8, the others 93-145; cuDNN's
-    convolution and the epilogue kernel 84.1, the stock expression 194.1; bench/NOTES.md)."""
-    return max(1, min(16, next_pow2(W))), min(64, next_pow2(C)), 1
+def depthwise_launch_shape(C: int, H: int, W: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_W, BLOCK_C, ROWS, num_warps, VEC_C) of the fused depthwise kernel: 8 pixels
+    by 64 channels on one warp, 2 channels a thread, 8 output rows a program. The fastest
+    of 12 shapes at Sana's [2, 11200, 32, 32] bf16 on the H100 (68.2 us; (8, 128, 8, 2, 2)
+    68.3, shapes with 16 or 32 pixels 81-101, 8 channels a thread 430; the kernel that
+    summed each output's nine taps from nine loads 82.9, cuDNN's stock expression 206.9,
+    a copy of the output 31.6; bench/NOTES.md)."""
+    return max(1, min(8, next_pow2(W))), min(64, next_pow2(C)), min(8, H), 1, 2
 
 
 def _depthwise_recipe(x, weight, bias, out, form, config=None):
     B, C2, H, W = x.shape
     C = C2 // 2
-    block_p, block_c, num_warps = config or depthwise_launch_shape(C, W)
+    block_w, block_c, rows, num_warps, vec_c = config or depthwise_launch_shape(C, H, W)
     so = out.stride()
     wide = needs_int64((B, x.stride(0)), (C2, x.stride(1)), (H, x.stride(2)), (W, x.stride(3)),
                        (B, so[0]), (C, so[1]), (H, so[2]), (W, so[3]))
-    return Recipe((cdiv(H * W, block_p), cdiv(C, block_c), B),
+    return Recipe((cdiv(H, rows) * cdiv(W, block_w), cdiv(C, block_c), B),
                   (C, H, W, *x.stride(), *so, weight.stride(0), bias.stride(0)),
-                  (wide, block_p, block_c, form, INTERPRET), num_warps)
+                  (wide, block_w, block_c, rows, vec_c, form, INTERPRET), num_warps)
 
 
 def depthwise_glu(x, weight, bias, out=None, config=None):
