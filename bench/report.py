@@ -319,7 +319,7 @@ def headline(ops_path, models_paths):
 
 def summary(models_paths) -> str:
     """The top README's table: one row a model workload, its speed-ups and exactness."""
-    lines = ["| model, shape (one H200) | eager | lossless | lossless + CUDA graphs | regional torch.compile |",
+    lines = ["| model, shape (one H200 unless named) | eager | lossless | lossless + CUDA graphs | regional torch.compile |",
              "|---|---|---|---|---|"]
 
     def cell(r, exact_word):
@@ -345,6 +345,8 @@ def summary(models_paths) -> str:
             if f"B={cfg['batch']}" not in what:
                 what += f", B={cfg['batch']}"
             what += "" if name == "default" else f", {name}"
+            if "H200" not in res.get("gpu", "H200"):
+                what += f", on one {res['gpu'].replace('NVIDIA ', '')}"
             if res.get("status") != "complete":
                 what += " (run cut short by its time limit after these rows)"
             compile_cell = cell(m.get("compile"), "bit-exact")

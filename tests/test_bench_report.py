@@ -123,7 +123,7 @@ def test_render_and_check(results):
     assert text.index("**ltx2**") < text.index("**Ops**") and "Plots: [a.png](results/a.png)" in text
     assert report.main(["--check"]) == 0
     top = (results / "TOP.md").read_text()
-    assert "stale" not in top and "| model, shape (one H200) |" in top and top.count("\n| ") == 2
+    assert "stale" not in top and "| model, shape (one H200 unless named) |" in top and top.count("\n| ") == 2
     (res / "ops-nvidia-h200.json").write_text(json.dumps(_ops_result(OPS_ROWS[:2], {})))
     assert report.main(["--check"]) == 1
 
@@ -143,3 +143,13 @@ def test_the_top_summary_goes_stale_on_its_own(results):
 def test_a_readme_without_markers_is_refused(results, capsys):
     (results / "README.md").write_text("no markers")
     assert report.main([]) == 2 and "lacks the results markers" in capsys.readouterr().err
+
+
+def test_the_top_summary_names_a_gpu_other_than_the_h200(tmp_path):
+    """The top table's rows are H200 runs unless a row names its GPU."""
+    paths = []
+    for name, gpu in (("a.json", "NVIDIA H200"), ("b.json", "NVIDIA H100 80GB HBM3")):
+        (tmp_path / name).write_text(json.dumps(dict(_models_result(), gpu=gpu)))
+        paths.append(str(tmp_path / name))
+    rows = report.summary(paths).splitlines()[2:]
+    assert len(rows) == 2 and ", on one " not in rows[0] and ", on one H100 80GB HBM3 |" in rows[1]
