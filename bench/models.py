@@ -13,7 +13,9 @@ pipeline passes. ltx2 / ltx2.3: diffusers' LTX2VideoTransformer3DModel at full w
 video + 126 audio + 256 text tokens (121 frames at 512 x 768), batch 2 as
 LTX2Pipeline runs CFG. flux, qwenimage: hooks for `bitfuse.models.flux_configs` /
 `qwenimage_configs` (FLUX.1-dev at 1024 x 1024: 4,096 image + 512 text tokens, 19
-double + 38 single blocks, B=1; Qwen-Image at 1328 x 1328, 60 layers, B=1). wan,
+double + 38 single blocks, B=1; Qwen-Image at 1328 x 1328, 60 layers, B=1). flux2:
+`flux2_configs` (FLUX.2-dev at 1024 x 1024, 8 double + 48 single blocks, B=1; built in
+bf16: 32B parameters, 64 GB). wan,
 wan2.2-5b: `wan_configs` (Wan 2.1 14B at 832 x 480 x 81: 32,760 tokens, 40 layers;
 Wan 2.2 TI2V 5B at 1280 x 704 x 121: 27,280 tokens, per-token timestep, 30 layers;
 B=1, text 512 tokens). sana:
@@ -202,6 +204,8 @@ PRESETS = {
                functools.partial(_ltx2_build, variant="2.3"), functools.partial(_ltx2_workloads, variant="2.3"), 2,
                LTX_OPTIONS + ("stg",)),
         Preset("flux", "bitfuse.models.flux_configs", "FLUX.1-dev at 1024 x 1024 (4,096 image + 512 text tokens)",
+               _hook_build, functools.partial(_hook_workloads, pixels=1024), 1, ("pixels",)),
+        Preset("flux2", "bitfuse.models.flux2_configs", "FLUX.2-dev at 1024 x 1024 (4,096 image + 512 text tokens)",
                _hook_build, functools.partial(_hook_workloads, pixels=1024), 1, ("pixels",)),
         Preset("qwenimage", "bitfuse.models.qwenimage_configs", "Qwen-Image at 1328 x 1328, 60 layers",
                _hook_build, functools.partial(_hook_workloads, pixels=1328), 1, ("pixels",)),

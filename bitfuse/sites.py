@@ -38,6 +38,7 @@ from torch.nn.modules import module as _nn_module
 from . import policy
 from .numerics import differing, same_bits
 from .ops import (
+    act_cat,
     conv_epilogue,
     gated_residual,
     head_gate,
@@ -65,6 +66,7 @@ _QK_NORM_ROPE = qk_norm_rope.SPEC
 _CONV_BIAS_SILU = conv_epilogue.SPECS["conv_bias_silu"]
 _CONV_BIAS_GLU = conv_epilogue.SPECS["conv_bias_glu"]
 _LINEAR_ATTENTION = linear_attention.SPEC
+_ACT_CAT = act_cat.BY_ACT
 _PROJECTIONS = projections.SPEC
 
 # ---------------------------------------------------------------- marking and mounting
@@ -755,6 +757,50 @@ def conv_bias_glu_site(conv, act, x):
                 return policy.gated(_CONV_BIAS_GLU, "lossless", plan, args, site_key=site_key)
     hidden, gate = torch.chunk(conv(x), 2, dim=1)
     return hidden * act(gate)
+
+
+# ---------------------------------------------------------------- an activation into a concatenation
+#
+# Routed by models.flux (FLUX.1's single blocks: the tanh GELU) and models.flux2 (the
+# single blocks' and feed-forwards' SwiGLU).
+
+ACT_REFERENCES = {"gelu_tanh": act_cat.gelu_tanh_reference, "swiglu": act_cat.swiglu_reference}
+
+
+def plain_gelu_tanh(module) -> bool:
+    """Whether calling `module` is `F.gelu(x, approximate="tanh")` and nothing else: an
+    `nn.GELU(approximate="tanh")` (the class itself), no hooks, no instance forward."""
+    return type(module) is torch.nn.GELU and module.approximate == "tanh" and _plain_module(module)
+
+
+def plain_silu(module) -> bool:
+    """Whether calling `module` is `F.silu(x)` and nothing else: an `nn.SiLU` (the class
+    itself, not in place), no hooks, no instance forward."""
+    return type(module) is torch.nn.SiLU and not module.inplace and _plain_module(module)
+
+
+def cat_act_site(a, m, act: str | None, dim: int = -1):
+    """`torch.cat([a, act(m)], dim)` (a None: `act(m)`; act None: `m`), bit-exact in every
+    tier: the activation and the concatenation in one kernel (`ops.act_cat`) where act
+    is "gelu_tanh" (`F.gelu(m, approximate="tanh")`) or "swiglu" (diffusers'
+    `Flux2SwiGLU`: `F.silu(m[..., :h]) * m[..., h:]`, h = m.shape[-1] // 2), dim is the
+    last axis and the gate has verified the signature; else the eager expression.
+
+    a: [B, S, Da] or [N, Da], or None; m: [B, S, Dm] or [N, Dm] (the SwiGLU: 2 Dm), of a's
+    leading sizes, dtype and device. Returns [.., Da + Dm], contiguous, as eager's."""
+    spec = _ACT_CAT.get(act)
+    if spec is None or _plain() or not isinstance(m, torch.Tensor) or dim not in (-1, m.dim() - 1):
+        y = m if act is None else ACT_REFERENCES[act](m)
+        return y if a is None else torch.cat([a, y], dim=dim)
+    args = (a, m)
+    site_key = _call_key(spec.name, "-" if a is None else _meta(a), _meta(m))
+    out = _bound(site_key, args)
+    if out is not None:
+        return out
+    plan = spec.plan(a, m)
+    if plan.__class__ is str:
+        return spec.reference(a, m)
+    return policy.gated(spec, "lossless", plan, args, site_key=site_key)
 
 
 # ---------------------------------------------------------------- a layer's bias left to its consumer

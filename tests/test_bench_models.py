@@ -59,7 +59,7 @@ def test_bad_arguments_are_refused(argv, message, capsys):
 
 
 def test_registry():
-    assert list(models.PRESETS) == ["ltx2", "ltx2.3", "flux", "qwenimage", "wan", "wan2.2-5b", "sana"]
+    assert list(models.PRESETS) == ["ltx2", "ltx2.3", "flux", "flux2", "qwenimage", "wan", "wan2.2-5b", "sana"]
     for p in models.PRESETS.values():
         assert p.module.startswith("bitfuse.models.") and p.module.endswith("_configs")
     assert "stg" in models.PRESETS["ltx2.3"].options and "stg" not in models.PRESETS["ltx2"].options

@@ -347,11 +347,13 @@ def test_silu_form_takes_the_first_form_equal_on_every_input(monkeypatch, glu):
     monkeypatch.setattr(E, "libdevice", object())
     monkeypatch.setattr(E, "every_input", lambda dtype, device: torch.arange(
         -32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype))
-    broken, allowed = set(), [True]
+    broken, allowed, raising = set(), [True], set()
     seen = []
 
     def fake_epilogue(y, bias, glu_, out, form):
         seen.append((tuple(y.shape), form, bias.signbit().all().item()))
+        if form in raising:
+            raise RuntimeError("CompilationError")
         assert _launch._defer.get() is None  # synchronous, even inside deferring()
         assert glu_ is glu and bias.eq(0).all()
         if glu:
@@ -387,6 +389,9 @@ def test_silu_form_takes_the_first_form_equal_on_every_input(monkeypatch, glu):
         assert E.silu_form("cuda", dtype, glu) == 0 and key not in E._FORMS
         allowed[0] = True
         assert E.silu_form("cuda", dtype, glu) == E.FAST_FORMS[0]
+        E._FORMS.clear()
+        raising.add(E.FAST_FORMS[0])  # a form whose kernel fails to compile: passed over, no crash
+        assert E.silu_form("cuda", dtype, glu) == E.FAST_FORMS[1]
     finally:
         E._FORMS.clear()
 

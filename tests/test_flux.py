@@ -111,6 +111,45 @@ def test_sites_change_the_output_when_they_change(monkeypatch):
     assert not torch.equal(out[0], ref[0])
 
 
+def test_single_blocks_route_the_gelu_and_concatenation(monkeypatch):
+    """Every single block sends its attention output and its MLP's pre-activation to
+    `sites.cat_act_site` as "gelu_tanh" (dim 2); an act_mlp with a hook runs as a module
+    where stock runs it (before the attention) and the site only concatenates. The
+    output is stock's both ways, and the control (the site's result perturbed) moves it."""
+    model = _model()
+    kw = make_inputs(model, batch=2, **SMALL)
+    ref = run(model, kw)
+    real, calls = sites.cat_act_site, []
+
+    def recording(a, m, act, dim=-1):
+        calls.append((act, dim, a is not None))
+        return real(a, m, act, dim)
+
+    monkeypatch.setattr(sites, "cat_act_site", recording)
+    with bitfuse.accelerate(model):
+        assert_same(run(model, kw), ref)
+    assert calls == [("gelu_tanh", 2, True)] * len(model.single_transformer_blocks)
+
+    order = []
+    block = model.single_transformer_blocks[0]
+    hooks = [block.act_mlp.register_forward_hook(lambda *a: order.append("act")),
+             block.attn.register_forward_hook(lambda *a: order.append("attn"))]
+    try:
+        ref = run(model, kw)
+        stock_order, order[:], calls[:] = list(order), [], []
+        with bitfuse.accelerate(model):
+            assert_same(run(model, kw), ref)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert order == stock_order == ["act", "attn"]
+    assert calls[0] == (None, 2, True) and calls[1:] == [("gelu_tanh", 2, True)] * (len(calls) - 1)
+
+    monkeypatch.setattr(sites, "cat_act_site", lambda a, m, act, dim=-1: real(a, m, act, dim) * 1.5)
+    with bitfuse.accelerate(model):
+        assert not torch.equal(run(model, kw)[0], ref[0])
+
+
 def test_processors_route_the_qk_norms_and_rope_and_come_back(monkeypatch):
     """FluxAttnProcessor instances switch class (keeping their backend setting) and send
     their q/k norms and RoPE through qk_norm_rope: with the text stream in double blocks,
@@ -232,7 +271,8 @@ def test_pointwise_kernels_run_on_the_models_operands(monkeypatch):
     """fp32 under Triton's interpreter: the gated residual kernel runs on the blocks' real
     operands (per-sample [B, 1, D] chunk views, read in place) and is verified against
     eager; the norm kernels (layer norm + modulate, the q/k norms + RoPE) reproduce
-    CUDA's reduction order, not the CPU's, so they may fall back to eager with a
+    CUDA's reduction order, not the CPU's, and the single blocks' GELU + concatenation
+    computes a stand-in tanh in the interpreter, so they may fall back to eager with a
     warning. The output is stock's either way."""
     pytest.importorskip("triton")
     monkeypatch.setattr(_params, "INTERPRET_ON_CPU", True)
@@ -246,7 +286,7 @@ def test_pointwise_kernels_run_on_the_models_operands(monkeypatch):
         assert_same(out, ref)
     statuses = {(v.op, v.status) for v in policy.verdicts()}
     assert ("gated_residual", "verified") in statuses
-    assert {op for op, _ in statuses} == {"gated_residual", "layer_norm_modulate", "qk_norm_rope"}
+    assert {op for op, _ in statuses} == {"gated_residual", "layer_norm_modulate", "qk_norm_rope", "cat_gelu_tanh"}
 
 
 # ---------------------------------------------------------------- torch.compile

@@ -231,6 +231,51 @@ def test_quality_high_mounts_on_every_site(monkeypatch):
     assert is_stock(model)
 
 
+def test_the_swiglus_route_through_the_concatenation_site(monkeypatch):
+    """The single blocks' parallel processor sends its attention output and its MLP half
+    to `sites.cat_act_site` as "swiglu"; each feed-forward (image and text streams of
+    every double block) sends its SwiGLU alone. Output: stock's; perturbing the site's
+    result moves it (the control)."""
+    model = _model()
+    kw = make_inputs(model, batch=2, per_sample_t=True, **SMALL)
+    ref = run(model, kw)
+    real, calls = sites.cat_act_site, []
+
+    def recording(a, m, act, dim=-1):
+        calls.append((act, a is not None))
+        return real(a, m, act, dim)
+
+    monkeypatch.setattr(sites, "cat_act_site", recording)
+    with bitfuse.accelerate(model):
+        _assert_equal(run(model, kw), ref)
+    double, single = len(model.transformer_blocks), len(model.single_transformer_blocks)
+    assert sorted(calls) == sorted([("swiglu", False)] * 2 * double + [("swiglu", True)] * single)
+    monkeypatch.setattr(sites, "cat_act_site", lambda a, m, act, dim=-1: real(a, m, act, dim) * 1.5)
+    with bitfuse.accelerate(model):
+        assert not torch.equal(run(model, kw)[0], ref[0])
+
+
+def test_a_swiglu_that_is_not_stock_runs_as_a_module():
+    """A Flux2SwiGLU with a hook, or whose gate is not a plain nn.SiLU, is called as a
+    module: the hook sees every call, the output is stock's."""
+    model = _model()
+    kw = make_inputs(model, batch=2, per_sample_t=True, **SMALL)
+    seen = []
+    ff = model.transformer_blocks[0].ff
+    single = model.single_transformer_blocks[0].attn
+    handle = ff.act_fn.register_forward_hook(lambda *a: seen.append("ff"))
+    single.mlp_act_fn.gate_fn = torch.nn.SiLU(inplace=True)
+    try:
+        ref = run(model, kw)
+        stock_seen, seen[:] = list(seen), []
+        with bitfuse.accelerate(model):
+            _assert_equal(run(model, kw), ref)
+    finally:
+        handle.remove()
+    assert seen == stock_seen == ["ff"]
+    assert not flux2._plain_swiglu(single.mlp_act_fn) and flux2._plain_swiglu(model.transformer_blocks[0].ff_context.act_fn)
+
+
 def test_pointwise_kernels_run_on_the_models_operands(monkeypatch):
     """fp32 under Triton's interpreter, per token (KV extract): the gated residual kernel
     runs on the blocks' [B, S, D] and [B, 1, D] split views and is verified; the norm
@@ -247,6 +292,7 @@ def test_pointwise_kernels_run_on_the_models_operands(monkeypatch):
         _assert_equal(out, ref)
     verified = {v.signature for v in policy.verdicts() if v.op == "gated_residual" and v.status == "verified"}
     assert any("per-token" in s for s in verified) and any("per-sample" in s for s in verified), verified
+    assert {v.signature for v in policy.verdicts() if v.op == "cat_swiglu"}, "the feed-forwards' SwiGLU was not routed"
 
 
 # ---------------------------------------------------------------- torch.compile

@@ -14,6 +14,9 @@ line kept above its replacement as a `# diffusers:` comment:
     x + gate.unsqueeze(1) * y      -> sites.gated_residual_site(x, y, gate.unsqueeze(1))
     x = gate * proj_out(h); x = residual + x       (single block)
                                    -> sites.gated_residual_site(residual, proj_out(h), gate)
+    h = torch.cat([attn_output, act_mlp(mlp)], dim=2)   (single block, act_mlp a plain
+                                      nn.GELU(approximate="tanh"))
+                                   -> sites.cat_act_site(attn_output, mlp, "gelu_tanh", dim=2)
 
 The gated residuals are eager's two roundings (the product, then the sum); the
 product commutes bitwise, so `gate * y` is the site's `y * gate`.
@@ -165,14 +168,20 @@ def _single_block_forward(
     image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     joint_attention_kwargs: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """diffusers 0.42.1 `FluxSingleTransformerBlock.forward`, the gated residual through
-    bitfuse (norm is an adaLN module: see `adaln`)."""
+    """diffusers 0.42.1 `FluxSingleTransformerBlock.forward`, the MLP's tanh GELU and the
+    concatenation through `sites.cat_act_site` and the gated residual through bitfuse
+    (norm is an adaLN module: see `adaln`)."""
     text_seq_len = encoder_hidden_states.shape[1]
     hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
 
     residual = hidden_states
     norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
-    mlp_hidden_states = self.act_mlp(self.proj_mlp(norm_hidden_states))
+    # diffusers: mlp_hidden_states = self.act_mlp(self.proj_mlp(norm_hidden_states))
+    # bitfuse: a plain tanh GELU runs in the concatenation below (sites.cat_act_site); any other act_mlp here
+    mlp_hidden_states = self.proj_mlp(norm_hidden_states)
+    act = "gelu_tanh" if sites.plain_gelu_tanh(self.act_mlp) else None
+    if act is None:
+        mlp_hidden_states = self.act_mlp(mlp_hidden_states)
     joint_attention_kwargs = joint_attention_kwargs or {}
     attn_output = self.attn(
         hidden_states=norm_hidden_states,
@@ -180,7 +189,9 @@ def _single_block_forward(
         **joint_attention_kwargs,
     )
 
-    hidden_states = torch.cat([attn_output, mlp_hidden_states], dim=2)
+    # diffusers: hidden_states = torch.cat([attn_output, mlp_hidden_states], dim=2)
+    # bitfuse: the GELU and the concatenation in one kernel: the same values, eager's contiguous layout
+    hidden_states = sites.cat_act_site(attn_output, mlp_hidden_states, act, dim=2)
     gate = gate.unsqueeze(1)
     # diffusers: hidden_states = gate * self.proj_out(hidden_states)
     # diffusers: hidden_states = residual + hidden_states

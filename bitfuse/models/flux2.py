@@ -19,12 +19,16 @@ comment. Each replacement is the same sequence of roundings as the site's:
     y = gate * y; x = x + y
     x + gate * y                          -> sites.gated_residual_site(x, y, gate):
            the product, then the sum, one rounding each
+    Flux2SwiGLU (silu(m[..., :h]) * m[..., h:]), then torch.cat([attn, that], dim=-1)
+        -> sites.cat_act_site(attn, m, "swiglu"): in one kernel (single blocks); the
+           feed-forwards' Flux2SwiGLU alone -> sites.cat_act_site(None, m, "swiglu")
 
 The output norm is diffusers' AdaLayerNormContinuous (LayerNorm without affine or
 bias), replaced as `adaln` replaces it. The default attention processors
 (`Flux2AttnProcessor`, `Flux2ParallelSelfAttnProcessor`) are copied with their q/k
-norms and RoPE through `flux.qk_norm_rope` (see `flux`); the KV-cache processors
-and any other are left alone.
+norms and RoPE through `flux.qk_norm_rope` (see `flux`), the parallel one's SwiGLU
+and concatenation through `sites.cat_act_site`; the KV-cache processors and any
+other are left alone. `Flux2FeedForward.forward` is copied for its SwiGLU.
 
 `accelerate` checks the diffusers version (0.42.x) and the sha256 of every copied
 function (`SOURCES`), and refuses otherwise unless `force=True`.
@@ -39,10 +43,12 @@ from diffusers.models.transformers import transformer_flux2 as _flux2_module
 from diffusers.models.transformers.transformer_flux2 import (
     Flux2Attention,
     Flux2AttnProcessor,
+    Flux2FeedForward,
     Flux2Modulation,
     Flux2ParallelSelfAttention,
     Flux2ParallelSelfAttnProcessor,
     Flux2SingleTransformerBlock,
+    Flux2SwiGLU,
     Flux2Transformer2DModel,
     Flux2TransformerBlock,
 )
@@ -61,8 +67,11 @@ VERIFIED_SOURCES = {
     "Flux2SingleTransformerBlock.forward": "e1baa440356a9b3ac7a541298b9b1adcc95e41ea988d18d8c211c40b396085be",
     "Flux2AttnProcessor.__call__": "2106c36979e28f30596b36f591819420bfd2f67f346a8a038cbd355f0cf5737d",
     "Flux2ParallelSelfAttnProcessor.__call__": "18a20dca474518356a19cfa834bd9ad201f5daa9836973fcffd795e1b4b0a280",
+    "Flux2FeedForward.forward": "af59d2fda364f00c83f4fac82f7d5c6413d56e9b7f6954eec190e17be2a1e69b",
     # flux.qk_norm_rope reproduces it
     "apply_rotary_emb": flux.VERIFIED_SOURCES["apply_rotary_emb"],
+    # ops.act_cat's SwiGLU reproduces it (sites.cat_act_site)
+    "Flux2SwiGLU.forward": "0caf2addea5d5fceeb98fd4c12e5195815fb81d7495562c45a624a27ca9b0c12",
 }
 
 
@@ -74,7 +83,9 @@ def stock_functions() -> dict:
         "Flux2SingleTransformerBlock.forward": Flux2SingleTransformerBlock.forward,
         "Flux2AttnProcessor.__call__": Flux2AttnProcessor.__call__,
         "Flux2ParallelSelfAttnProcessor.__call__": Flux2ParallelSelfAttnProcessor.__call__,
+        "Flux2FeedForward.forward": Flux2FeedForward.forward,
         "apply_rotary_emb": _flux2_module.apply_rotary_emb,
+        "Flux2SwiGLU.forward": Flux2SwiGLU.forward,
     }
 
 
@@ -325,13 +336,37 @@ class _ParallelSelfAttnProcessor(Flux2ParallelSelfAttnProcessor):
         hidden_states = hidden_states.to(query.dtype)
 
         # Handle the feedforward (FF) logic
-        mlp_hidden_states = attn.mlp_act_fn(mlp_hidden_states)
+        # diffusers: mlp_hidden_states = attn.mlp_act_fn(mlp_hidden_states)
+        # bitfuse: a stock Flux2SwiGLU runs in the concatenation below (sites.cat_act_site); any other here
+        act = "swiglu" if _plain_swiglu(attn.mlp_act_fn) else None
+        if act is None:
+            mlp_hidden_states = attn.mlp_act_fn(mlp_hidden_states)
 
         # Concatenate and parallel output projection
-        hidden_states = torch.cat([hidden_states, mlp_hidden_states], dim=-1)
+        # diffusers: hidden_states = torch.cat([hidden_states, mlp_hidden_states], dim=-1)
+        # bitfuse: the SwiGLU and the concatenation in one kernel: the same values, eager's contiguous layout
+        hidden_states = sites.cat_act_site(hidden_states, mlp_hidden_states, act)
         hidden_states = attn.to_out(hidden_states)
 
         return hidden_states
+
+
+def _plain_swiglu(module) -> bool:
+    """Whether calling `module` is diffusers' `Flux2SwiGLU.forward` with an `nn.SiLU` gate
+    and nothing else (no hooks, no instance forward): what `sites.cat_act_site`'s
+    "swiglu" computes."""
+    return (type(module) is Flux2SwiGLU and "forward" not in module.__dict__ and sites.unhooked(module)
+            and sites.plain_silu(module.gate_fn))
+
+
+def _feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """diffusers 0.42.1 `Flux2FeedForward.forward`, a stock `Flux2SwiGLU` through
+    `sites.cat_act_site` (the SiLU and the product in one kernel)."""
+    x = self.linear_in(x)
+    # diffusers: x = self.act_fn(x)
+    x = sites.cat_act_site(None, x, "swiglu") if _plain_swiglu(self.act_fn) else self.act_fn(x)
+    x = self.linear_out(x)
+    return x
 
 
 #: our line-for-line copies, by the stock name they copy (tests/test_copies.py diffs them)
@@ -340,6 +375,7 @@ COPIES = {
     "Flux2SingleTransformerBlock.forward": _single_block_forward,
     "Flux2AttnProcessor.__call__": _AttnProcessor.__call__,
     "Flux2ParallelSelfAttnProcessor.__call__": _ParallelSelfAttnProcessor.__call__,
+    "Flux2FeedForward.forward": _feed_forward,
 }
 
 #: stock attention processor class -> ours; any other processor (the KV-cache ones of the
@@ -380,7 +416,7 @@ def accelerate(model, *, quality: str = "lossless", force: bool = False) -> Flux
         sources=SOURCES,
         model_class=Flux2Transformer2DModel,
         forwards={Flux2TransformerBlock: _block_forward, Flux2SingleTransformerBlock: _single_block_forward,
-                  **adaln.FORWARDS},
+                  Flux2FeedForward: _feed_forward, **adaln.FORWARDS},
         processors=PROCESSORS,
         sites=_sites,
     )

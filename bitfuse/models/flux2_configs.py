@@ -64,12 +64,18 @@ def full_config(double: int = 8, single: int = 48, **overrides) -> dict:
 
 
 def build_model(config: dict, *, device="cpu", dtype=torch.float32, seed: int = 0):
-    """A random-init `Flux2Transformer2DModel` in eval mode, built directly on `device`."""
+    """A random-init `Flux2Transformer2DModel` in eval mode, built directly on `device`
+    in `dtype` (a floating dtype)."""
     from diffusers import Flux2Transformer2DModel
 
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = Flux2Transformer2DModel(**config)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in `dtype`: FLUX.2-dev's 32B parameters take 128 GB in fp32
+    try:
+        with torch.device(device):
+            model = Flux2Transformer2DModel(**config)
+    finally:
+        torch.set_default_dtype(previous)
     # nn.Module.to, not ModelMixin.to: the latter warns about casting without from_pretrained
     return torch.nn.Module.to(model, dtype=dtype).eval().requires_grad_(False)
 

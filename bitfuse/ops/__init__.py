@@ -1,8 +1,8 @@
 """Kernels: one file per op holding its Triton kernel, planner (the guard),
 launcher, registered custom op, eager reference and its `OpSpec`; shared
-kernel code in `_launch` (launch core), `_params` (rows and parameters) and
-`_norm` (the norm kernels' base); `projections` has no kernel of its own (aten's
-GEMM on packed weights). Functions here are guarded but ungated: the
+kernel code in `_launch` (launch core), `_params` (rows and parameters),
+`_norm` (the norm kernels' base) and `_act` (activations as aten computes
+them); `projections` has no kernel of its own (aten's GEMM on packed weights). Functions here are guarded but ungated: the
 kernel where the guard allows it, else the eager reference (the sites add the
 first-sight gate and the tiers).
 
@@ -11,6 +11,7 @@ the benchmarks, the fuzz run and the tests iterate over it.
 """
 
 from . import (
+    act_cat,
     conv_epilogue,
     gated_residual,
     head_gate,
@@ -39,10 +40,11 @@ SPECS: dict[str, OpSpec] = {
         *rotary.SPECS.values(),
         qk_norm_rope.SPEC,
         *conv_epilogue.SPECS.values(),
+        *act_cat.SPECS.values(),
         linear_attention.SPEC,
         projections.SPEC,
     )
 }
 
 __all__ = ["SPECS", "TIERS", "OpSpec", "modulate", "gated_residual", "head_gate", "rms_norm_modulate", "layer_norm_modulate",
-           "rotary", "qk_norm_rope", "conv_epilogue", "linear_attention", "projections"]
+           "rotary", "qk_norm_rope", "conv_epilogue", "act_cat", "linear_attention", "projections"]

@@ -61,18 +61,10 @@ backend, and its bits, by layout, so the kernels write eager's strides and the
 gate hands on eager's own result wherever its check buffer is laid out otherwise
 (an earlier routing differed from stock for that reason: bench/NOTES.md).
 
-EAGER'S SILU (aten/src/ATen/native/cuda/ActivationSiluKernel.cu):
-`x_acc / (opmath_t(1) + exp(-x_acc))` in fp32, built without fast math: `expf`
-(libdevice's `__nv_expf`, about 2 ULP) and IEEE division (`div.rn.f32`). Triton's
-`tl.exp` is `ex2.approx` of `x * log2(e)` and its fp32 `/` is `div.full.f32`
-(approximate), either of which changes bits; the kernel calls libdevice's `exp`
-and divides with an inline `div.rn.f32` (round to nearest, no flush to zero, as
-nvcc emits it). Triton links libdevice with flush-to-zero on; that changes
-`__nv_expf` only where its argument or result is subnormal, i.e. |x| below
-2**-126 (exp(-x) is 1.0 either way) or x above 87 (exp(-x) < 2**-125, and
-1 + exp(-x) rounds to 1.0 either way), so the SiLU keeps eager's bits. Rounding
-to the storage dtype: after the bias add (eager's add_), after the SiLU (eager's
-silu), after the product (eager's mul); FMA contraction off.
+EAGER'S SILU: `x / (1 + expf(-x))` in fp32 with IEEE division, which form 0 of
+`_act.silu` reproduces bit for bit (the cheaper forms: below). Rounding to the
+storage dtype: after the bias add (eager's add_), after the SiLU (eager's silu),
+after the product (eager's mul); FMA contraction off.
 
 THE DEPTHWISE CONVOLUTION IN THE GLU KERNEL. cuDNN's 3x3 depthwise convolution sums
 each output's nine products in fp32 in row-major tap order (kh, then kw), from 0: on
@@ -141,16 +133,9 @@ from ._launch import (
     synchronous,
     tl,
 )
+from ._act import DOMAIN, FAST_SILU_FORMS, SILU_FORMS, every_input, libdevice, silu
 from ._params import common_device_dtype
 from .spec import OpSpec
-
-try:  # libdevice's exp (CUDA's expf): triton.language.extra.cuda.libdevice in Triton 3.x
-    from triton.language.extra.cuda import libdevice
-except ImportError:  # pragma: no cover - another Triton layout
-    try:
-        from triton.language.extra import libdevice
-    except ImportError:
-        libdevice = None
 
 #: aten backends (`torch._C._ConvBackend` names) whose `_convolution` branch adds the
 #: bias as a separate `output.add_(bias)` after the convolution
@@ -159,34 +144,6 @@ SPLIT_BACKENDS = frozenset({"Cudnn"})
 LAYOUTS = ("channels-last", "contiguous")
 
 # ---------------------------------------------------------------- kernel
-
-
-@jit
-def _rcp(d):
-    """rcp.approx.f32 (MUFU.RCP, subnormal results kept): 1/d within 1 ULP."""
-    return tl.inline_asm_elementwise("rcp.approx.f32 $0, $1;", "=r,r", [d], dtype=tl.float32, is_pure=True,
-                                     pack=1)
-
-
-@jit
-def _silu(x, FORM: tl.constexpr, INTERP: tl.constexpr):
-    """SiLU in fp32 in one of `SILU_FORMS` (0: aten's, bit for bit in fp32)."""
-    if INTERP:
-        return x / (1.0 + tl.exp(-x))
-    elif FORM == 0:  # aten: x / (1 + expf(-x)), IEEE division
-        e = libdevice.exp(-x)
-        return tl.inline_asm_elementwise("div.rn.f32 $0, $1, $2;", "=r,r,r", [x, 1.0 + e], dtype=tl.float32,
-                                         is_pure=True, pack=1)
-    elif FORM == 1:  # expf, then the quotient from rcp.approx and one Newton step, no branch
-        d = 1.0 + libdevice.exp(-x)
-        r = _rcp(d)
-        q = x * r
-        res = tl.fma(-q, d, x)
-        # res NaN: d = inf (x < -88.7) or x = inf, where q is the quotient; res 0: q is
-        # exact, and q + 0 would turn a -0.0 quotient into +0.0
-        return tl.where((res == res) & (res != 0.0), tl.fma(res, r, q), q)
-    else:  # FORM == 2: ex2.approx of -x log2(e), and x * rcp.approx(d)
-        return x * _rcp(1.0 + tl.exp(-x))
 
 
 @jit
@@ -247,10 +204,10 @@ def _epilogue_kernel(
         if HAS_BIAS:
             bg = tl.load(bias_ptr + (b_off + gate_b), mask=c_ok, eviction_policy="evict_last").to(tl.float32)
             g = (g + bg).to(dtype).to(tl.float32)  # eager: output.add_(bias) (the gate half)
-        s = _silu(g, SILU, INTERP).to(dtype).to(tl.float32)  # eager: silu(gate)
+        s = silu(g, SILU, INTERP).to(dtype).to(tl.float32)  # eager: silu(gate)
         out = h * s  # eager: hidden * silu(gate)
     else:
-        out = _silu(h, SILU, INTERP)  # eager: silu(output)
+        out = silu(h, SILU, INTERP)  # eager: silu(output)
     tl.store(out_ptr + o_off, out.to(dtype), mask=mask)
 
 
@@ -346,7 +303,7 @@ def _depthwise_glu_kernel(
         if (oh >= h0) & (oh < H):
             h = (Ph.to(dtype).to(tl.float32) + bh[None, :]).to(dtype).to(tl.float32)  # cuDNN's output, eager's add_
             g = (Pg.to(dtype).to(tl.float32) + bg[None, :]).to(dtype).to(tl.float32)
-            s = _silu(g, SILU, INTERP).to(dtype).to(tl.float32)  # eager: silu(gate)
+            s = silu(g, SILU, INTERP).to(dtype).to(tl.float32)  # eager: silu(gate)
             out = h * s  # eager: hidden * silu(gate)
             tl.store(out_ptr + (b * o_sb + oh * o_sh + (pw * o_sw)[:, None] + (c * o_sc)[None, :]), out.to(dtype),
                      mask=w_ok[:, None] & c_ok[None, :])
@@ -454,22 +411,9 @@ def _epilogue(y, bias, glu: bool, out=None, config=None, form=None):
 
 # ---------------------------------------------------------------- the SiLU's form, checked whole
 
-#: the kernel's SiLU forms: 0 is aten's in fp32 (expf, IEEE division); the others are
-#: cheaper and are used only where `silu_form` found them equal to eager on every input
-SILU_FORMS = {
-    0: "aten's: x / (1 + expf(-x)), IEEE division (div.rn.f32)",
-    1: "expf, the quotient from rcp.approx and one Newton step (no slow-path branch)",
-    2: "ex2.approx of -x log2(e), x * rcp.approx(1 + e)",
-}
-FAST_FORMS = (2, 1)  # the fastest first
-DOMAIN = (torch.bfloat16, torch.float16)  # 65,536 inputs each: checked whole
+FAST_FORMS = FAST_SILU_FORMS  # the fastest first
 
 _FORMS: dict = {}
-
-
-def every_input(dtype: torch.dtype, device) -> torch.Tensor:
-    """All 65,536 values of a 16-bit dtype (NaNs, infinities, signed zeros, subnormals)."""
-    return torch.arange(-32768, 32768, dtype=torch.int32, device=device).to(torch.int16).view(dtype)
 
 
 def silu_form(device, dtype: torch.dtype, glu: bool) -> int:
@@ -486,8 +430,9 @@ def silu_form(device, dtype: torch.dtype, glu: bool) -> int:
     kept. Otherwise form 0, aten's own arithmetic: where none is equal, for fp32 and on
     the CPU (kept), and while tracing or capturing (not kept: checked at the next call
     outside). The check compiles its kernels in place (about a second, once per
-    process with Triton's cache cold). Form 0 and the form found give the same outputs
-    for every input, so a call may take either."""
+    process with Triton's cache cold). A form whose kernel fails to compile or run is
+    passed over (form 0's failure is the gate's to record). Form 0 and the form found
+    give the same outputs for every input, so a call may take either."""
     index = device_index(device)
     key = (index, dtype, glu)
     known = _FORMS.get(key)
@@ -508,9 +453,14 @@ def silu_form(device, dtype: torch.dtype, glu: bool) -> int:
     found = 0
     with synchronous():  # compiled in place, even at a gate's first sight in the background
         for form in FAST_FORMS:
-            if same_bits(_epilogue(y, bias, glu, torch.full_like(ref, float("nan")), form=form), ref):
-                found = form
-                break
+            try:
+                if same_bits(_epilogue(y, bias, glu, torch.full_like(ref, float("nan")), form=form), ref):
+                    found = form
+                    break
+            except torch.OutOfMemoryError:
+                raise
+            except Exception:  # noqa: BLE001 - a form that fails to build or run is not taken
+                continue
     _FORMS[key] = found
     return found
 
