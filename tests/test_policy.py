@@ -90,6 +90,34 @@ def test_mismatch_disables_warns_once_and_returns_reference():
     assert v.status == "mismatch" and "1 of 35 elements differ bitwise" in v.detail
 
 
+@pytest.mark.parametrize("probe", ["agrees", "differs", "raises"])
+def test_a_probe_runs_once_after_the_call_s_own_check(probe):
+    """`OpSpec.probe` runs once, at first sight, after the call's own data agreed: a why
+    (or an exception) is a mismatch and the reference runs for good; None verifies."""
+    args = _args()
+    fast, seen = Fast(args), []
+
+    def check(plan):
+        seen.append(plan.key)
+        if probe == "raises":
+            raise RuntimeError("probe exploded")
+        return None if probe == "agrees" else "built operands differ"
+
+    s = spec(fast, probe=check)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", policy.FallbackWarning)
+        for _ in range(3):
+            assert torch.equal(policy.gated(s, "lossless", Plan(), args), reference(*args))
+    (v,) = bitfuse.verdicts()
+    assert len(seen) == 1
+    if probe == "agrees":
+        assert v.status == "verified" and fast.calls == 4
+    else:
+        assert v.status == "mismatch" and fast.calls == 2
+        assert v.detail == ("built operands differ" if probe == "differs" else
+                            "the probe failed: RuntimeError: probe exploded")
+
+
 def test_a_signed_zero_is_a_mismatch():
     """Lossless means bitwise: -0.0 where eager gives +0.0 breaks it (torch.equal can't see it)."""
     a = torch.tensor([[0.0, 1.0]])

@@ -249,3 +249,50 @@ def test_tensor_subclasses_are_left_alone(monkeypatch):
     w = tuple(m.weight for m in mods)
     with torch.no_grad():
         assert "subclass" in P.plan_projections(torch.zeros(2, 64).as_subclass(Sub), w, (None,) * 3)
+
+
+def test_laid_out_as_keeps_shape_strides_and_alignment():
+    x = torch.randn(2, 5, 164)[..., 3:103]
+    copy = P._laid_out_as(x, x)
+    assert copy.shape == x.shape and copy.stride() == x.stride() and torch.equal(copy, x)
+    assert copy.data_ptr() % P.ALIGN == x.data_ptr() % P.ALIGN and _storage(copy) != _storage(x)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_probe_sees_another_order_of_the_k_sums(monkeypatch, bias):
+    """`reduction_probe` on a plan's geometry: None where the packed launch is the
+    separate calls themselves; a difference where it sums K in two halves (split-K),
+    which integer operands, or many ordinary draws, would not show."""
+    from bitfuse.ops import _params
+
+    monkeypatch.setattr(_params, "INTERPRET_ON_CPU", True)
+    mods = _linears(k=96, out=40, bias=bias)
+    assert sites.pack_linears(*mods)
+    w, b = tuple(m.weight for m in mods), tuple(m.bias for m in mods)
+    x = P._aligned_zeros((2, 5, 96), torch.float32, "cpu").copy_(torch.randn(2, 5, 96))
+    with torch.no_grad():
+        plan = P.plan_projections(x, w, b)
+
+        def separate(plan, out=None):
+            return tuple(torch.nn.functional.linear(plan.x, plan.weight[o : o + n],
+                                                    None if plan.bias is None else plan.bias[o : o + n])
+                         for n, o in zip(plan.sizes, plan.offsets))
+
+        def split_k(plan, out=None):
+            h = plan.x.shape[-1] // 2
+            return tuple(torch.nn.functional.linear(plan.x[..., :h], plan.weight[o : o + n, :h],
+                                                    None if plan.bias is None else plan.bias[o : o + n])
+                         + torch.nn.functional.linear(plan.x[..., h:], plan.weight[o : o + n, h:])
+                         for n, o in zip(plan.sizes, plan.offsets))
+
+        monkeypatch.setattr(P, "launch_projections", separate)
+        assert P.reduction_probe(plan) is None
+        monkeypatch.setattr(P, "launch_projections", split_k)
+        why = P.reduction_probe(plan)
+        assert why is not None and "sums K otherwise" in why
+        ints = (torch.randint(-3, 4, x.shape).float(),)  # the call's own (integer) data can't tell
+        assert all(torch.equal(a, r) for a, r in zip(split_k(P.ProjectionsPlan(ints[0], plan.weight, plan.bias,
+                                                                              plan.sizes, plan.offsets, plan.key)),
+                                                     separate(P.ProjectionsPlan(ints[0], plan.weight, plan.bias,
+                                                                                plan.sizes, plan.offsets, plan.key))))
+    assert P.SPEC.probe is P.reduction_probe

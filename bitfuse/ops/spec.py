@@ -45,6 +45,11 @@ class OpSpec:
         devices), returning the result, or None where this call needs the planner.
     bandwidth_bound: the op moves memory (its yardstick is the copy ceiling,
         `bench/ops.py`); False for an op around a GEMM (`projections`).
+    probe: `probe(plan)` -> None, or why the fast path may not run for this plan's
+        signature: a check of the running build on operands built for it (not the
+        call's own), run once by the gate at first sight after the call's own check,
+        where agreement on one draw proves too little (`projections`: two GEMMs that
+        reduce K in different orders agree on most draws).
     may_differ: why the fast path can give other bits than the reference on some
         problems without a fault of its own (a library picking its kernel per
         problem), or None: any difference is a finding. The gate verifies each
@@ -63,6 +68,7 @@ class OpSpec:
     layouts: tuple[str, ...] = ()
     bind: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
     bandwidth_bound: bool = True
+    probe: Callable[[Any], str | None] | None = None
     may_differ: str | None = None
 
     def kernel_tier(self, tier: str) -> str:

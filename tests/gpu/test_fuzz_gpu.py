@@ -36,6 +36,16 @@ REGRESSIONS = [
     _case(2660, "layer_norm_modulate", "high", 1, 1031, 2048, "per-token"),
     # layer_norm_modulate[high] bf16 D=256: eager overflowed, the contract compared with eager's inf
     _case(883, "layer_norm_modulate", "high", 3, 126, 256, "shared"),
+    # projections bf16/fp16 D=100 (seed 0, 2026-12-06, H100, with the act_cat ops in the op list): the packed
+    # GEMM reduced K otherwise than the separate calls; the first draw agreed, 1-5 elements of a later one
+    # differed. Since then OpSpec.probe (`projections.reduction_probe`) checks the order on built operands
+    *(fuzz.FuzzCase(i, "projections", "lossless", cases.Case(B, S, 100, dtype, layout, data, i, "cuda", strided))
+      for i, dtype, B, S, layout, data, strided in (
+          (1401, torch.bfloat16, 2, 31, "qkv-bias", "subnormal", False),
+          (2531, torch.bfloat16, 3, 126, "qkv", "large", False),
+          (7012, torch.bfloat16, 3, 126, "qkv", "zeros", False),
+          (4481, torch.float16, 2, 257, "kv-bias", "tiny", False),
+          (7536, torch.float16, 1, 126, "kv-bias", "randn", True))),
 ]
 
 
