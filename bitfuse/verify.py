@@ -7,7 +7,9 @@ must be bitwise equal to eager (signed zeros count, NaN equals NaN), high paths
 must keep the high contract against float64 (`numerics.high_contract`). A path
 whose bits depend on a library's choice per problem (`OpSpec.may_differ`: the
 projections' GEMM) and differs on a shape is reported as an eager fallback there,
-which is what the gate makes of it.
+which is what the gate makes of it. An op's `OpSpec.probe` runs after each shape's
+comparison, as the gate runs it: a why is a mismatch (an eager fallback for such a
+path).
 """
 
 from __future__ import annotations
@@ -72,6 +74,14 @@ def check(spec, tier: str, dtype, layout: str, shapes, seed: int = 0, data: str 
                         if spec.may_differ:  # the gate gives this problem the reference
                             return dict(status="eager fallback", detail=f"{found}: {spec.may_differ}")
                         return dict(status="mismatch", detail=found)
+        if spec.probe is not None:  # the gate's check beyond the data, as it runs it
+            try:
+                why = spec.probe(plan)
+            except Exception as exc:  # a failing probe is a finding, not a crash
+                why = f"the probe failed: {type(exc).__name__}: {exc}"
+            if why:
+                status = "eager fallback" if spec.may_differ else "mismatch"
+                return dict(status=status, detail=f"B={B} S={S} D={D}: {why}")
     contract = "high contract (float64)" if tier == "high" else "bitwise"
     return dict(status="verified", detail=f"{len(shapes)} shapes, {contract}")
 

@@ -12,7 +12,7 @@ class Plan:
     key = "stand-in"
 
 
-def _spec(differs: bool, may_differ=None) -> OpSpec:
+def _spec(differs: bool, may_differ=None, probe=None) -> OpSpec:
     def make_args(case):
         gen = torch.Generator().manual_seed(case.seed)
         return (torch.randn(case.B, case.S, case.D, generator=gen).to(case.dtype),)
@@ -34,7 +34,7 @@ def _spec(differs: bool, may_differ=None) -> OpSpec:
         return p
 
     return OpSpec(name="stand-in", reference=lambda x: x * 2, plan=plan, launch={"lossless": launch},
-                  make_args=make_args, layouts=("none",), may_differ=may_differ)
+                  make_args=make_args, layouts=("none",), may_differ=may_differ, probe=probe)
 
 
 SHAPES = [(1, 3, 8), (2, 5, 16)]
@@ -62,3 +62,28 @@ def test_only_the_projections_declare_per_problem_bits():
     from bitfuse.ops import SPECS
 
     assert {name for name, spec in SPECS.items() if spec.may_differ} == {"projections"}
+
+
+def test_the_spec_s_probe_runs_as_the_gate_runs_it():
+    """After each shape's data agreed, `OpSpec.probe(plan)`: None keeps the path verified;
+    a why is a mismatch (an eager fallback for a path whose bits may differ per
+    problem); a probe that raises is reported, not raised."""
+    seen = []
+
+    def probe(plan):
+        seen.append(plan.x.shape)
+        return None
+
+    assert verify.check(_spec(False, probe=probe), "lossless", torch.float32, "none", SHAPES)["status"] == "verified"
+    assert seen == [torch.Size(s) for s in SHAPES]
+    r = verify.check(_spec(False, probe=lambda plan: "built operands differ"), "lossless", torch.float32, "none", SHAPES)
+    assert r == dict(status="mismatch", detail="B=1 S=3 D=8: built operands differ")
+    r = verify.check(_spec(False, "per problem", probe=lambda plan: "built operands differ"), "lossless",
+                     torch.float32, "none", SHAPES)
+    assert r["status"] == "eager fallback"
+
+    def raising(plan):
+        raise RuntimeError("probe exploded")
+
+    r = verify.check(_spec(False, probe=raising), "lossless", torch.float32, "none", SHAPES)
+    assert r["status"] == "mismatch" and "the probe failed: RuntimeError: probe exploded" in r["detail"]
