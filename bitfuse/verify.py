@@ -74,14 +74,10 @@ def check(spec, tier: str, dtype, layout: str, shapes, seed: int = 0, data: str 
                         if spec.may_differ:  # the gate gives this problem the reference
                             return dict(status="eager fallback", detail=f"{found}: {spec.may_differ}")
                         return dict(status="mismatch", detail=found)
-        if spec.probe is not None:  # the gate's check beyond the data, as it runs it
-            try:
-                why = spec.probe(plan)
-            except Exception as exc:  # a failing probe is a finding, not a crash
-                why = f"the probe failed: {type(exc).__name__}: {exc}"
-            if why:
-                status = "eager fallback" if spec.may_differ else "mismatch"
-                return dict(status=status, detail=f"B={B} S={S} D={D}: {why}")
+        why = spec.probe_why(plan)  # the gate's check beyond the data, as it runs it
+        if why:
+            status = "eager fallback" if spec.may_differ else "mismatch"
+            return dict(status=status, detail=f"B={B} S={S} D={D}: {why}")
     contract = "high contract (float64)" if tier == "high" else "bitwise"
     return dict(status="verified", detail=f"{len(shapes)} shapes, {contract}")
 

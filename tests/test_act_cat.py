@@ -162,7 +162,6 @@ def test_form_takes_the_first_form_equal_on_every_input(monkeypatch, act):
         broken.clear()
         allowed[0] = False
         assert A.form("cuda", dtype, act) is None and key not in A._FORMS
-        assert A.forms() == {}
     finally:
         A._FORMS.clear()
 

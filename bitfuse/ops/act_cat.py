@@ -161,12 +161,6 @@ def form(device, dtype: torch.dtype, act: str) -> int | None:
     return found
 
 
-def forms() -> dict:
-    """The forms `form` has settled, as {"<device> <dtype> <act>": form or None}."""
-    return {f"{'cpu' if index < 0 else f'cuda:{index}'} {str(dtype).replace('torch.', '')} {act}": found
-            for (index, dtype, act), found in _FORMS.items()}
-
-
 # ---------------------------------------------------------------- planner and launcher
 
 

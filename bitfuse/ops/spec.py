@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+import torch
+
 TIERS = ("lossless", "high")
 
 
@@ -70,6 +72,19 @@ class OpSpec:
     bandwidth_bound: bool = True
     probe: Callable[[Any], str | None] | None = None
     may_differ: str | None = None
+
+    def probe_why(self, plan) -> str | None:
+        """`probe(plan)` as the gate and `bitfuse verify` run it: None where there is no
+        probe or it passes; an exception is its why (a probe that cannot run proves
+        nothing), but for running out of memory, which propagates."""
+        if self.probe is None:
+            return None
+        try:
+            return self.probe(plan)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            return f"the probe failed: {type(exc).__name__}: {exc}"
 
     def kernel_tier(self, tier: str) -> str:
         """The kernel a requested tier runs: its own, or the lossless one."""
