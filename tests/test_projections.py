@@ -251,11 +251,11 @@ def test_tensor_subclasses_are_left_alone(monkeypatch):
         assert "subclass" in P.plan_projections(torch.zeros(2, 64).as_subclass(Sub), w, (None,) * 3)
 
 
-def test_laid_out_as_keeps_shape_strides_and_alignment():
+def test_laid_out_like_keeps_shape_strides_and_alignment():
     x = torch.randn(2, 5, 164)[..., 3:103]
-    copy = P._laid_out_as(x, x)
-    assert copy.shape == x.shape and copy.stride() == x.stride() and torch.equal(copy, x)
-    assert copy.data_ptr() % P.ALIGN == x.data_ptr() % P.ALIGN and _storage(copy) != _storage(x)
+    like = P._laid_out_like(x)
+    assert like.shape == x.shape and like.stride() == x.stride() and like.dtype == x.dtype
+    assert like.data_ptr() % P.ALIGN == x.data_ptr() % P.ALIGN and _storage(like) != _storage(x)
 
 
 @pytest.mark.parametrize("bias", [True, False])

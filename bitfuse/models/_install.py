@@ -51,6 +51,7 @@ __all__ = [
     "accelerate",
     "processor_parameters",
     "release_matches",
+    "version_of",
 ]
 
 
@@ -242,6 +243,15 @@ def forward_memo() -> dict | None:
     torch.compile tracing. For values every block of a forward would compute alike from
     the same tensor (Sana's caption projections); nothing in it outlives the call."""
     return _memo.get()
+
+
+def version_of(t: torch.Tensor):
+    """What a cache keeps to see in-place changes to `t`: its version counter, which
+    every in-place op bumps. An inference tensor (made under `torch.inference_mode()`)
+    has none, and its in-place changes there leave no trace, so for it a new object,
+    equal to nothing: a cache that compares versions never hits on it and computes
+    what stock computes. (Reading `_version` of one raises.)"""
+    return object() if t.is_inference() else t._version
 
 
 def scoped_forward(func: Callable) -> Callable:

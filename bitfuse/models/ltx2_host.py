@@ -32,6 +32,7 @@ from diffusers.models.transformers.transformer_ltx2 import (
 )
 
 from .. import policy
+from ._install import version_of
 
 __all__ = ["TimestepEmbeddings", "RopeCache", "PairedTables", "paired"]
 
@@ -56,7 +57,7 @@ class TimestepEmbeddings:
 
     @staticmethod
     def _id(t: torch.Tensor) -> tuple:
-        return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t._version)
+        return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, version_of(t))
 
     def product(self, t, factor):
         """`t * factor`."""
@@ -135,7 +136,8 @@ class RopeCache:
         if entry is not None and entry[0] == key and _versions(entry[1]) == entry[2]:
             return entry[1]
         value = compute()
-        self.entries[modality] = (key, value, _versions(value))
+        if not any(t.is_inference() for pair in value for t in pair):  # (inference tensors: no versions, not kept)
+            self.entries[modality] = (key, value, _versions(value))
         return value
 
     def clear(self) -> None:

@@ -50,7 +50,7 @@ from diffusers.models._modeling_parallel import (
 )
 from diffusers.models.transformers.transformer_ltx2 import LTX2VideoTransformer3DModel
 
-from ._install import UnsupportedModelError
+from ._install import UnsupportedModelError, version_of
 
 __all__ = [
     "CHECK_HOOK",
@@ -223,11 +223,11 @@ class _MaskVerdicts:
 
     def masks_nothing(self, mask: torch.Tensor, additive: bool) -> bool:
         for ref, version, add, verdict in self.seen:
-            if ref() is mask and version == mask._version and add == additive:
+            if ref() is mask and version == version_of(mask) and add == additive:
                 return verdict
         verdict = bool((mask == 0).all()) if additive else bool((mask != 0).all())
         self.seen = [e for e in self.seen if e[0]() is not None][-3:] + [
-            (weakref.ref(mask), mask._version, additive, verdict)]
+            (weakref.ref(mask), version_of(mask), additive, verdict)]
         return verdict
 
 

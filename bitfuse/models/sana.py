@@ -227,13 +227,13 @@ def _modulation(table, timestep, batch_size):
     views = None
     if memo is not None:
         hit = memo.get("sana modulation")
-        if hit is not None and hit[0] is timestep and hit[1] == timestep._version:
+        if hit is not None and hit[0] is timestep and hit[1] == _install.version_of(timestep):
             views = hit[2]
     if views is None:
         views = timestep.reshape(batch_size, 6, -1).chunk(6, dim=1)
         views = tuple((v, sites.tensor_meta(v)) for v in views)
         if memo is not None:
-            memo["sana modulation"] = (timestep, timestep._version, views)
+            memo["sana modulation"] = (timestep, _install.version_of(timestep), views)
     rows = _table_rows.get(table)
     where = (table.data_ptr(), *sites.tensor_meta(table))  # (a narrower slice at the same address: new rows)
     if rows is None or rows[0] != where:
@@ -508,7 +508,8 @@ def _caption_projections(attn, encoder_hidden_states):
     entry = memo = None
     if not torch.compiler.is_compiling():  # (traced: the plain calls, as the site makes them there)
         entry, memo = _captions.get(attn), _install.forward_memo()
-    if entry is not None and memo is not None:
+    if entry is not None and memo is not None and not encoder_hidden_states.is_inference():
+        # (an inference tensor has no version to key on: each block its own two, as below)
         linears, i = entry
         to_k, to_v = attn.to_k, attn.to_v
         if linears[i] is to_k and linears[i + 1] is to_v:
@@ -531,7 +532,8 @@ def _parameter_state(linear):
     """Where a linear's weight and bias lie and their versions (in-place changes)."""
     p = linear._parameters
     w, b = p["weight"], p["bias"]
-    return (w.data_ptr(), w._version) if b is None else (w.data_ptr(), w._version, b.data_ptr(), b._version)
+    v = _install.version_of
+    return (w.data_ptr(), v(w)) if b is None else (w.data_ptr(), v(w), b.data_ptr(), v(b))
 
 
 def _parameters_state(linears):
@@ -563,14 +565,14 @@ def _prepared_mask(attn, attention_mask, sequence_length, batch_size):
         "prepare_attention_mask" not in attn.__dict__
     if cached:
         hit = _masks.get(key)
-        if hit is not None and hit[0] is attention_mask and hit[1] == attention_mask._version:
+        if hit is not None and hit[0] is attention_mask and hit[1] == _install.version_of(attention_mask):
             return hit[2]
     prepared = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
     prepared = prepared.view(batch_size, attn.heads, -1, prepared.shape[-1])
     if cached:
         if len(_masks) > 8:
             _masks.clear()
-        _masks[key] = (attention_mask, attention_mask._version, prepared)
+        _masks[key] = (attention_mask, _install.version_of(attention_mask), prepared)
     return prepared
 
 

@@ -1,0 +1,82 @@
+"""Every integration under `torch.inference_mode()`, the context many callers run
+inference in (diffusers' pipelines use `torch.no_grad()`).
+
+Tensors made there are inference tensors: they have no version counter (reading
+`_version` raises) and their in-place changes leave no trace, so the host caches
+that check versions must not trust them (`_install.version_of`). Here each tiny
+model, accelerated, is called in both grad modes, alternating on one handle (so
+caches filled in one mode meet calls in the other), and every output is bitwise
+stock's in the same mode. On CPU every site falls back to its eager expression
+(the forward copies and their caches); on a GPU the kernels run, in bf16, with and
+without CUDA graphs."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+import bitfuse  # noqa: E402
+from bitfuse.models import _install  # noqa: E402
+
+from bitfuse.numerics import differing, same_bits  # noqa: E402
+from model_checks import is_stock  # noqa: E402
+
+# small inputs per model (its make_inputs keyword arguments)
+_INPUTS = {
+    "ltx2": {},
+    "flux": dict(height=64, width=64, text_tokens=8),
+    "flux2": dict(height=64, width=64, text_tokens=8),
+    "qwenimage": dict(height=64, width=64, text_tokens=8),
+    "wan": dict(height=32, width=32, frames=5, text_tokens=8),
+    "sana": dict(height=128, width=128, text_tokens=8),
+}
+
+
+def assert_same(out, ref) -> None:
+    """Every tensor a forward returns (LTX-2: video and audio) bitwise stock's."""
+    assert isinstance(out, tuple) and len(out) == len(ref) >= 1
+    for o, r in zip(out, ref):
+        assert not r.isnan().any(), "the stock output has NaNs: the comparison would mean nothing"
+        assert same_bits(o, r), f"{differing(o, r)} of {r.numel()} elements differ"
+
+
+def _run(model, kwargs, mode):
+    with (torch.inference_mode() if mode == "inference" else torch.no_grad()):
+        return model(**kwargs)
+
+
+@pytest.mark.parametrize("setup", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu),
+                                   pytest.param("cuda-graphs", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("name", list(_INPUTS))
+def test_accelerated_forward_in_inference_mode_is_stock(name, setup):
+    C = importlib.import_module(f"bitfuse.models.{name}_configs")
+    if setup == "cpu":
+        model = C.build_model(C.tiny_config())
+    else:
+        model = C.build_model(C.tiny_config(), device="cuda", dtype=torch.bfloat16)
+    kwargs = C.make_inputs(model, **_INPUTS[name])
+    refs = {mode: _run(model, kwargs, mode) for mode in ("inference", "no_grad")}
+    handle = bitfuse.accelerate(model, cuda_graphs=setup == "cuda-graphs")
+    try:
+        for mode in ("inference", "inference", "no_grad", "inference", "no_grad"):
+            assert_same(_run(model, kwargs, mode), refs[mode])
+    finally:
+        handle.restore()
+    assert is_stock(model)
+    assert_same(_run(model, kwargs, "inference"), refs["inference"])
+
+
+def test_version_of_an_inference_tensor_equals_nothing():
+    t = torch.zeros(3)
+    v = _install.version_of(t)
+    assert v == _install.version_of(t)
+    t.add_(1)
+    assert _install.version_of(t) != v
+    with torch.inference_mode():
+        i = torch.zeros(3)
+    assert i.is_inference()
+    assert _install.version_of(i) != _install.version_of(i)
