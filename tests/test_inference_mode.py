@@ -80,3 +80,32 @@ def test_version_of_an_inference_tensor_equals_nothing():
         i = torch.zeros(3)
     assert i.is_inference()
     assert _install.version_of(i) != _install.version_of(i)
+
+
+@pytest.mark.parametrize("name", ["sana", "ltx2"])
+def test_a_model_made_in_inference_mode_accelerates(name):
+    """A model built (or loaded) under inference_mode has inference-tensor parameters:
+    the projections are not packed (a Parameter's data can't move into a buffer of
+    normal tensors: `projections.packable` says so), and the forward is stock's."""
+    C = importlib.import_module(f"bitfuse.models.{name}_configs")
+    with torch.inference_mode():
+        model = C.build_model(C.tiny_config())
+        kwargs = C.make_inputs(model, **_INPUTS[name])
+        ref = model(**kwargs)
+        handle = bitfuse.accelerate(model)
+        try:
+            assert_same(model(**kwargs), ref)
+            assert_same(model(**kwargs), ref)
+        finally:
+            handle.restore()
+    assert is_stock(model)
+
+
+def test_inference_parameters_are_not_packed():
+    from bitfuse.ops import projections as P
+
+    with torch.inference_mode():
+        mods = [torch.nn.Linear(64, 64) for _ in range(3)]
+    w, b = tuple(m.weight for m in mods), tuple(m.bias for m in mods)
+    assert "inference tensors" in P.packable(w, b)
+    assert P.pack(w, b) is False and all(m.weight.is_inference() for m in mods)

@@ -124,6 +124,9 @@ def packable(weights, biases) -> str | None:
         return "weights must be 2-D tensors"
     if any(type(p) not in _PLAIN for p in (*weights, *biases) if p is not None):
         return "a tensor subclass (DTensor, a quantised weight): its storage is not one buffer of its values"
+    if any(p.is_inference() for p in (*weights, *biases) if p is not None):
+        return ("inference tensors (made under torch.inference_mode()): a parameter's data can't move into a "
+                "buffer of normal tensors")
     if any(w.shape[1] != first.shape[1] or w.dtype != first.dtype or w.device != first.device or w.is_meta
            for w in weights):
         return "weights of different widths, dtypes or devices (or meta)"
