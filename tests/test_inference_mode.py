@@ -21,7 +21,6 @@ pytest.importorskip("diffusers")
 
 import bitfuse  # noqa: E402
 from bitfuse.models import _install  # noqa: E402
-
 from bitfuse.numerics import differing, same_bits  # noqa: E402
 from model_checks import is_stock  # noqa: E402
 
