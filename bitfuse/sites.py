@@ -917,7 +917,8 @@ def linear_projections_site(x, *linears, call=None):
             weights, biases = params
             args = (x, weights, biases)
             site_key = _call_key("projections", _meta(x), x.data_ptr() % 256, weights[0].get_device(),
-                                 *_parts(weights), *_parts(biases)) if isinstance(x, torch.Tensor) else None
+                                 *_parts(weights), *_parts(biases),
+                                 projections.gemm_settings(x.dtype)) if isinstance(x, torch.Tensor) else None
             out = _bound(site_key, args)
             if out is not None:
                 return out

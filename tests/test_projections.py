@@ -233,6 +233,63 @@ def test_a_verdict_is_per_layout_of_x(monkeypatch):
         assert P.plan_projections(dense, w, b).key != P.plan_projections(padded, w, b).key
 
 
+@pytest.mark.parametrize("dtype, setting", [
+    (torch.bfloat16, "allow_bf16_reduced_precision_reduction"),
+    (torch.float16, "allow_fp16_reduced_precision_reduction"),
+    (torch.float32, "allow_tf32"),
+])
+def test_a_verdict_is_per_gemm_setting(monkeypatch, dtype, setting):
+    """cuBLAS picks the packed GEMM's kernel and the separate calls' under the
+    process's matmul settings, so a setting changed after first sight (say, reduced-
+    precision reductions turned off) makes a new key: the site's bound launch and the
+    gate's verdict both, so the problem is verified again."""
+    from bitfuse.ops import _params
+
+    monkeypatch.setattr(_params, "INTERPRET_ON_CPU", True)
+    mods = _linears()
+    for m in mods:
+        m.to(dtype)
+    sites.pack_linears(*mods)
+    w, b = tuple(m.weight for m in mods), tuple(m.bias for m in mods)
+    x = P._aligned_zeros((2, 5, 64), dtype, "cpu")
+    matmul = torch.backends.cuda.matmul
+    before = getattr(matmul, setting)
+    with torch.no_grad():
+        key, settings = P.plan_projections(x, w, b).key, P.gemm_settings(dtype)
+        try:
+            setattr(matmul, setting, not before)
+            assert P.gemm_settings(dtype) != settings
+            assert P.plan_projections(x, w, b).key != key
+        finally:
+            setattr(matmul, setting, before)
+        assert P.plan_projections(x, w, b).key == key
+
+
+def test_the_site_verifies_again_after_a_gemm_setting_changes(monkeypatch):
+    from bitfuse.ops import _params
+
+    monkeypatch.setattr(_params, "INTERPRET_ON_CPU", True)
+    policy.reset_verdicts()
+    mods = _linears(k=64, out=40, bias=True)
+    assert sites.pack_linears(*mods)
+    x = torch.randint(-3, 4, (2, 5, 64)).float()
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_tf32
+    with torch.no_grad():
+        ref = tuple(m(x) for m in mods)
+        sites.linear_projections_site(x, *mods)
+        sites.linear_projections_site(x, *mods)
+        assert len(policy.verdicts()) == 1
+        try:
+            matmul.allow_tf32 = not before
+            outs = sites.linear_projections_site(x, *mods)
+        finally:
+            matmul.allow_tf32 = before
+        assert all(torch.equal(o, r) for o, r in zip(outs, ref))
+        assert [v.status for v in policy.verdicts()] == ["verified", "verified"]
+    policy.reset_verdicts()
+
+
 def test_tensor_subclasses_are_left_alone(monkeypatch):
     """A subclass's storage need not be one buffer of its values (DTensor, quantised
     weights): neither packed nor planned; the site makes the separate calls."""

@@ -199,6 +199,30 @@ def unpack(weights, biases) -> None:
                     p.data = p.data.clone()
 
 
+def _setting(name: str):
+    getter = getattr(torch._C, name, None)
+    return getter if getter is not None else (lambda: None)
+
+
+# the process-wide settings that steer which GEMM kernel cuBLAS runs, per dtype
+_GEMM_SETTINGS = {
+    torch.bfloat16: (_setting("_get_cublas_allow_bf16_reduced_precision_reduction"),),
+    torch.float16: (_setting("_get_cublas_allow_fp16_reduced_precision_reduction"),
+                    _setting("_get_cublas_allow_fp16_accumulation")),
+    torch.float32: (_setting("_get_cublas_allow_tf32"),),
+}
+_BLAS_BACKEND = _setting("_get_blas_preferred_backend")
+
+
+def gemm_settings(dtype: torch.dtype) -> tuple:
+    """The settings a GEMM of `dtype` runs under (`torch.backends.cuda.matmul`'s
+    reduced-precision reductions, fp16 accumulation or TF32, and the preferred BLAS
+    library): part of a projections key, since they steer cuBLAS's choice of kernel
+    for the packed GEMM and the separate ones alike, and a verdict reached under one
+    setting says nothing of another. About 0.1 us a setting."""
+    return (_BLAS_BACKEND(),) + tuple(get() for get in _GEMM_SETTINGS.get(dtype, ()))
+
+
 def _alignment(t) -> int:
     p = t.data_ptr() % ALIGN
     return ALIGN if p == 0 else p & -p
@@ -243,7 +267,8 @@ def plan_projections(x, weights, biases, tier: str = "lossless"):
     # contiguous x of the same shape had been verified
     key = (x.dtype, x.get_device(), f"M={M} K={x.shape[-1]} N={sizes} rows={offsets}+{where[1]}",
            "no bias" if bias is None else f"bias aligned {_alignment(bias)}",
-           f"x {tuple(x.shape)} strides {x.stride()} aligned {_alignment(x)}", f"weight aligned {_alignment(weight)}")
+           f"x {tuple(x.shape)} strides {x.stride()} aligned {_alignment(x)}", f"weight aligned {_alignment(weight)}",
+           f"GEMM settings {gemm_settings(x.dtype)}")
     return ProjectionsPlan(x, weight, bias, sizes, offsets, key)
 
 
