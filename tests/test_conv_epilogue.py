@@ -167,6 +167,31 @@ def test_the_bias_is_split_only_where_aten_adds_it_separately(monkeypatch):
     assert seen.count(False) >= 2 and seen.count(True) >= 2
 
 
+@pytest.mark.parametrize("setting", ["benchmark", "deterministic", "allow_tf32"])
+def test_a_verdict_is_per_cudnn_setting(monkeypatch, setting):
+    """Which cuDNN algorithm eager's convolution runs depends on torch.backends.cudnn's
+    settings (`benchmark = True` times the algorithms and keeps the fastest), and the
+    fused depthwise kernel reproduces the one run at first sight: a setting changed
+    later makes a new plan key and a new bound-launch key, so the call is verified
+    again rather than trusted."""
+    monkeypatch.setattr(E, "conv_backend", lambda *a: "Cudnn")
+    x = torch.randn(2, 8, 5, 5).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    w, b = torch.randn(8, 1, 3, 3).to(torch.bfloat16), torch.randn(8).to(torch.bfloat16)
+    conv = torch.nn.Conv2d(8, 8, 3, padding=1, groups=8).to(torch.bfloat16)
+    cudnn = torch.backends.cudnn
+    before = getattr(cudnn, setting)
+    with cpu_kernels(), torch.no_grad():
+        key = E.plan_conv_bias_glu(x, w, b, 1, 1, 1, 8).key
+        site_key = sites._conv_key("conv_bias_glu", sites._conv_args(conv, torch.nn.SiLU(), x))
+        try:
+            setattr(cudnn, setting, not before)
+            assert E.plan_conv_bias_glu(x, w, b, 1, 1, 1, 8).key != key
+            assert sites._conv_key("conv_bias_glu", sites._conv_args(conv, torch.nn.SiLU(), x)) != site_key
+        finally:
+            setattr(cudnn, setting, before)
+        assert E.plan_conv_bias_glu(x, w, b, 1, 1, 1, 8).key == key
+
+
 def test_backend_is_asked_of_aten():
     """On the CPU aten picks a CPU backend; the name is what `torch._C._select_conv_backend`
     says, cached per geometry."""

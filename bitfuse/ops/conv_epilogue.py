@@ -578,12 +578,27 @@ class ConvPlan:
 
 _backends = GeometryCache()
 
+_CUDNN_SETTINGS = tuple(getter for getter in (
+    getattr(torch._C, name, None) for name in ("_get_cudnn_enabled", "_get_cudnn_benchmark", "_get_cudnn_deterministic",
+                                               "_get_cudnn_allow_tf32", "_get_cudnn_depthwise_kernel"))
+    if getter is not None)
+
+
+def cudnn_settings() -> tuple:
+    """`torch.backends.cudnn`'s process-wide settings (enabled, benchmark, deterministic,
+    allow_tf32, and the depthwise-kernel choice where torch has it): which backend
+    eager's convolution takes and which cuDNN algorithm it runs. Part of every
+    convolution key (here, the plan's and the site's bound launch), so a setting
+    changed after first sight, `cudnn.benchmark = True` say, verifies again: the fused
+    depthwise kernel reproduces the algorithm cuDNN ran at first sight."""
+    return tuple(get() for get in _CUDNN_SETTINGS)
+
 
 def conv_backend(x, weight, bias, stride, padding, dilation, groups) -> str:
     """The aten backend (`torch._C._ConvBackend` name) eager's `conv2d` takes for these
     operands: what `at::_convolution` dispatches on. Cached per geometry."""
     key = (x.shape, x.stride(), weight.shape, weight.stride(), bias is None, x.dtype, x.get_device(),
-           stride, padding, dilation, groups, torch.backends.cudnn.enabled)
+           stride, padding, dilation, groups, cudnn_settings())
     return _backends.get(key, _select_backend, x, weight, bias, stride, padding, dilation, groups)
 
 
@@ -638,7 +653,7 @@ def _plan_conv(x, weight, bias, stride, padding, dilation, groups, glu: bool):
     bias_where = "bias split" if split else ("bias in conv" if bias is not None else "no bias")
     fused = glu and split and DEPTHWISE and _depthwise_fits(x, weight, stride, padding, dilation, groups)
     key = (x.dtype, x.get_device(), f"{weight.shape[2]}x{weight.shape[3]} {kind}", f"stride={stride}",
-           f"padding={padding}", f"dilation={dilation}", fmt, backend, bias_where)
+           f"padding={padding}", f"dilation={dilation}", fmt, f"cuDNN settings {cudnn_settings()}", backend, bias_where)
     if fused:
         key += ("convolution fused",)
     return ConvPlan(x, weight, bias, stride, padding, dilation, groups, split, glu, key, fused)
