@@ -51,6 +51,7 @@ from .ops import (
     rotary,
 )
 from .ops._params import Folded, common_device_dtype, value, value32
+from .ops._settings import cudnn_settings, gemm_settings
 
 _MODULATE = modulate.SPEC
 _GATED_RESIDUAL = gated_residual.SPEC
@@ -712,7 +713,7 @@ def _conv_args(conv, act, x):
 def _conv_key(name, args):
     x, weight, bias = args[:3]
     bias_meta = "no bias" if bias is None else _meta(bias)
-    return _call_key(name, _meta(x), _meta(weight), bias_meta, *args[3:], conv_epilogue.cudnn_settings())
+    return _call_key(name, _meta(x), _meta(weight), bias_meta, *args[3:], cudnn_settings())
 
 
 def conv_bias_silu_site(conv, act, x):
@@ -918,7 +919,7 @@ def linear_projections_site(x, *linears, call=None):
             args = (x, weights, biases)
             site_key = _call_key("projections", _meta(x), x.data_ptr() % 256, weights[0].get_device(),
                                  *_parts(weights), *_parts(biases),
-                                 projections.gemm_settings(x.dtype)) if isinstance(x, torch.Tensor) else None
+                                 gemm_settings(x.dtype)) if isinstance(x, torch.Tensor) else None
             out = _bound(site_key, args)
             if out is not None:
                 return out

@@ -13,6 +13,7 @@ import torch
 from bitfuse import policy, sites
 from bitfuse.ops import SPECS, cases
 from bitfuse.ops import projections as P
+from bitfuse.ops._settings import gemm_settings
 
 
 def _linears(n=3, k=64, out=64, bias=True, dtype=torch.float32, seed=0):
@@ -255,10 +256,11 @@ def test_a_verdict_is_per_gemm_setting(monkeypatch, dtype, setting):
     matmul = torch.backends.cuda.matmul
     before = getattr(matmul, setting)
     with torch.no_grad():
-        key, settings = P.plan_projections(x, w, b).key, P.gemm_settings(dtype)
         try:
+            setattr(matmul, setting, before)  # (a legacy TF32 flag set reads "ieee" where it read "none")
+            key, settings = P.plan_projections(x, w, b).key, gemm_settings(dtype)
             setattr(matmul, setting, not before)
-            assert P.gemm_settings(dtype) != settings
+            assert gemm_settings(dtype) != settings
             assert P.plan_projections(x, w, b).key != key
         finally:
             setattr(matmul, setting, before)

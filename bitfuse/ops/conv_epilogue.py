@@ -135,6 +135,7 @@ from ._launch import (
 )
 from ._act import DOMAIN, FAST_SILU_FORMS, SILU_FORMS, every_input, libdevice, silu
 from ._params import common_device_dtype
+from ._settings import cudnn_settings
 from .spec import OpSpec
 
 #: aten backends (`torch._C._ConvBackend` names) whose `_convolution` branch adds the
@@ -577,21 +578,6 @@ class ConvPlan:
 
 
 _backends = GeometryCache()
-
-_CUDNN_SETTINGS = tuple(getter for getter in (
-    getattr(torch._C, name, None) for name in ("_get_cudnn_enabled", "_get_cudnn_benchmark", "_get_cudnn_deterministic",
-                                               "_get_cudnn_allow_tf32", "_get_cudnn_depthwise_kernel"))
-    if getter is not None)
-
-
-def cudnn_settings() -> tuple:
-    """`torch.backends.cudnn`'s process-wide settings (enabled, benchmark, deterministic,
-    allow_tf32, and the depthwise-kernel choice where torch has it): which backend
-    eager's convolution takes and which cuDNN algorithm it runs. Part of every
-    convolution key (here, the plan's and the site's bound launch), so a setting
-    changed after first sight, `cudnn.benchmark = True` say, verifies again: the fused
-    depthwise kernel reproduces the algorithm cuDNN ran at first sight."""
-    return tuple(get() for get in _CUDNN_SETTINGS)
 
 
 def conv_backend(x, weight, bias, stride, padding, dilation, groups) -> str:

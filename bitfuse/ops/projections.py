@@ -58,6 +58,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _params, cases
+from ._settings import gemm_settings
 from .spec import OpSpec
 
 ALIGN = 256  # bytes: the largest alignment aten hands cuBLASLt (and what an allocation of its own gets)
@@ -197,30 +198,6 @@ def unpack(weights, biases) -> None:
             with torch.inference_mode(False), torch.no_grad():
                 for p in group:
                     p.data = p.data.clone()
-
-
-def _setting(name: str):
-    getter = getattr(torch._C, name, None)
-    return getter if getter is not None else (lambda: None)
-
-
-# the process-wide settings that steer which GEMM kernel cuBLAS runs, per dtype
-_GEMM_SETTINGS = {
-    torch.bfloat16: (_setting("_get_cublas_allow_bf16_reduced_precision_reduction"),),
-    torch.float16: (_setting("_get_cublas_allow_fp16_reduced_precision_reduction"),
-                    _setting("_get_cublas_allow_fp16_accumulation")),
-    torch.float32: (_setting("_get_cublas_allow_tf32"),),
-}
-_BLAS_BACKEND = _setting("_get_blas_preferred_backend")
-
-
-def gemm_settings(dtype: torch.dtype) -> tuple:
-    """The settings a GEMM of `dtype` runs under (`torch.backends.cuda.matmul`'s
-    reduced-precision reductions, fp16 accumulation or TF32, and the preferred BLAS
-    library): part of a projections key, since they steer cuBLAS's choice of kernel
-    for the packed GEMM and the separate ones alike, and a verdict reached under one
-    setting says nothing of another. About 0.1 us a setting."""
-    return (_BLAS_BACKEND(),) + tuple(get() for get in _GEMM_SETTINGS.get(dtype, ()))
 
 
 def _alignment(t) -> int:
