@@ -713,7 +713,7 @@ def _conv_args(conv, act, x):
 def _conv_key(name, args):
     x, weight, bias = args[:3]
     bias_meta = "no bias" if bias is None else _meta(bias)
-    return _call_key(name, _meta(x), _meta(weight), bias_meta, *args[3:], cudnn_settings())
+    return _call_key(name, _meta(x), _meta(weight), bias_meta, *args[3:], cudnn_settings(weight.dtype))
 
 
 def conv_bias_silu_site(conv, act, x):

@@ -167,7 +167,7 @@ def test_the_bias_is_split_only_where_aten_adds_it_separately(monkeypatch):
     assert seen.count(False) >= 2 and seen.count(True) >= 2
 
 
-@pytest.mark.parametrize("setting", ["benchmark", "deterministic", "allow_tf32"])
+@pytest.mark.parametrize("setting", ["benchmark", "deterministic"])
 def test_a_verdict_is_per_cudnn_setting(monkeypatch, setting):
     """Which cuDNN algorithm eager's convolution runs depends on torch.backends.cudnn's
     settings (`benchmark = True` times the algorithms and keeps the fastest), and the

@@ -18,21 +18,42 @@ from bitfuse.ops._settings import cudnn_settings, gemm_settings
 
 
 def test_plain_hashable_values():
-    for values in (cudnn_settings(), *(gemm_settings(d) for d in (torch.bfloat16, torch.float16, torch.float32,
+    for values in (cudnn_settings(torch.bfloat16), cudnn_settings(torch.float32), *(gemm_settings(d) for d in (torch.bfloat16, torch.float16, torch.float32,
                                                                     torch.float64))):
         assert isinstance(values, tuple) and values and hash(values) is not None
+
+
+def test_tf32_counts_for_fp32_convolutions_only():
+    cudnn = torch.backends.cudnn
+    before, bf16, fp32 = cudnn.allow_tf32, cudnn_settings(torch.bfloat16), cudnn_settings(torch.float32)
+    try:
+        cudnn.allow_tf32 = not before
+        assert cudnn_settings(torch.bfloat16) == bf16 and cudnn_settings(torch.float32) != fp32
+    finally:
+        cudnn.allow_tf32 = before
+
+
+def test_a_getter_that_raises_gives_its_error_not_an_exception(monkeypatch):
+    from bitfuse.ops import _settings
+
+    def refuses():
+        raise RuntimeError("mixed TF32 APIs")
+
+    monkeypatch.setattr(_settings, "_CUDNN", _settings._CUDNN + (refuses,))
+    values = cudnn_settings(torch.bfloat16)
+    assert values[-1] == "unreadable (RuntimeError)" and values[:-1] == _settings._read(_settings._CUDNN[:-1])
 
 
 @pytest.mark.parametrize("flag", ["benchmark", "deterministic"])
 def test_cudnn_settings_follow_the_flags(flag):
     cudnn = torch.backends.cudnn
-    before, settings = getattr(cudnn, flag), cudnn_settings()
+    before, settings = getattr(cudnn, flag), cudnn_settings(torch.bfloat16)
     try:
         setattr(cudnn, flag, not before)
-        assert cudnn_settings() != settings
+        assert cudnn_settings(torch.bfloat16) != settings
     finally:
         setattr(cudnn, flag, before)
-    assert cudnn_settings() == settings
+    assert cudnn_settings(torch.bfloat16) == settings
 
 
 @pytest.mark.parametrize("dtype, flag", [(torch.bfloat16, "allow_bf16_reduced_precision_reduction"),
@@ -59,7 +80,7 @@ def test_the_newer_api_is_followed_and_nothing_raises():
     code = textwrap.dedent("""
         import torch
         from bitfuse.ops._settings import cudnn_settings, gemm_settings
-        conv, fp32 = cudnn_settings(), gemm_settings(torch.float32)
+        conv, fp32 = cudnn_settings(torch.float32), gemm_settings(torch.float32)
         torch.backends.cudnn.conv.fp32_precision = "ieee"
         torch.backends.cuda.matmul.fp32_precision = "tf32"
         try:
@@ -67,7 +88,7 @@ def test_the_newer_api_is_followed_and_nothing_raises():
             legacy_raises = False
         except RuntimeError:
             legacy_raises = True
-        conv2, fp32b = cudnn_settings(), gemm_settings(torch.float32)
+        conv2, fp32b = cudnn_settings(torch.float32), gemm_settings(torch.float32)
         assert conv2 != conv and fp32b != fp32, (conv, conv2, fp32, fp32b)
         assert not any("unreadable" in str(v) for v in conv2 + fp32b), (conv2, fp32b)
         print("ok", legacy_raises)
