@@ -86,6 +86,7 @@ __all__ = [
     "hoisted",
     "wrap_model_for_graphs",
     "unwrap_model_for_graphs",
+    "model_tensors",
     "graph_runner_of",
 ]
 
@@ -607,6 +608,7 @@ class _Recorder(TorchDispatchMode):
 class _EmulatedGraph:
     def __init__(self, recorder: _Recorder):
         self.recorder = recorder
+        self.addresses: list = []  # (tensor, its address at capture) for every tensor the ops read
 
 
 class EmulatedGraphBackend:
@@ -617,7 +619,9 @@ class EmulatedGraphBackend:
     writes each result into the tensor the capture produced, as a graph replay
     rewrites its memory. Python code does not run at replay. So a static input not
     refilled, a break's result not copied back, an output not cloned, or a value
-    baked in at capture shows up here as on the GPU. Like stream capture, a
+    baked in at capture shows up here as on the GPU; so does a tensor the capture
+    read whose data was replaced since (a `.data` swap, `.to()`, offloading): the
+    replay raises, where a CUDA graph would read the memory it left. Like stream capture, a
     recording refuses a host read (`.item()`, `bool(t)`, `torch.equal`, `nonzero`)
     of a value computed from the call's inputs or break results ("operation not
     permitted when stream is capturing"); host reads of constants (parameters,
@@ -657,12 +661,25 @@ class EmulatedGraphBackend:
 
     def end(self, graph: _EmulatedGraph) -> None:
         graph.recorder.__exit__(None, None, None)
+        seen = set()
+        for _, args, kwargs, _ in graph.recorder.ops:
+            for t in _pytree.tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor) and id(t) not in seen:
+                    seen.add(id(t))
+                    graph.addresses.append((t, t.data_ptr()))
         self.captures += 1
 
     def abort(self, graph: _EmulatedGraph, device) -> None:
         graph.recorder.__exit__(None, None, None)
 
     def replay(self, graph: _EmulatedGraph) -> None:
+        for t, address in graph.addresses:
+            if t.data_ptr() != address:
+                # (a CUDA graph holds addresses: it would read the memory the tensor left)
+                raise RuntimeError(
+                    f"emulated CUDA graph: a {tuple(t.shape)} {t.dtype} tensor the capture read has moved since "
+                    "(its data was replaced); a CUDA graph would read its old memory"
+                )
         for func, args, kwargs, out in graph.recorder.ops:
             result = func(*args, **kwargs)
             for dst, src in zip(_pytree.tree_leaves(out), _pytree.tree_leaves(result)):
@@ -776,7 +793,66 @@ def _exception_text(exc: BaseException) -> str:
     return " <- during: ".join(parts)
 
 
-_COUNTS = ("calls", "captures", "capture_failures", "evictions", "replays", "divergences", "eager")
+_COUNTS = ("calls", "captures", "capture_failures", "evictions", "replays", "divergences", "eager", "moves")
+
+
+# ---------------------------------------------------------------- tensors graphs read in place
+
+_registrations = [0]  # modules, parameters and buffers registered anywhere since a runner began watching
+_registration_hooks: list = []
+_hooks_lock = threading.Lock()
+
+
+def _registered(module, name, value) -> None:
+    _registrations[0] += 1  # (returns None: the registration goes on unchanged)
+
+
+def _count_registrations() -> None:
+    """Count module, parameter and buffer registrations process-wide (torch's global
+    registration hooks), from the first runner that watches tensors on: a module or
+    parameter replaced anywhere tells the runners to look at their models again."""
+    with _hooks_lock:
+        if not _registration_hooks:
+            from torch.nn.modules import module as _module
+
+            _registration_hooks.extend(register(_registered) for register in (
+                _module.register_module_module_registration_hook,
+                _module.register_module_parameter_registration_hook,
+                _module.register_module_buffer_registration_hook,
+            ))
+
+
+#: torch's C++ check of tensors' addresses (CUDA-graph trees use it), where this build has it
+_same_addresses = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+
+
+def model_tensors(model: torch.nn.Module) -> list:
+    """`model`'s parameters and buffers: what a graph of its forward reads in place."""
+    return [*model.parameters(), *model.buffers()]
+
+
+class _Watched:
+    """The tensors a runner's `watch` gave when its live graphs were captured, and
+    their addresses then."""
+
+    __slots__ = ("tensors", "addresses", "indices", "registrations")
+
+    def __init__(self, watch):
+        self.registrations = _registrations[0]
+        self.tensors = [t for t in watch() if isinstance(t, torch.Tensor)]
+        self.addresses = [t.data_ptr() for t in self.tensors]
+        self.indices = list(range(len(self.tensors)))
+
+    def moved(self, watch) -> bool:
+        """Whether a graph captured then would now read a wrong address."""
+        if self.registrations != _registrations[0]:
+            tensors = [t for t in watch() if isinstance(t, torch.Tensor)]
+            if len(tensors) != len(self.tensors) or any(a is not b for a, b in zip(tensors, self.tensors)):
+                return True
+            self.registrations = _registrations[0]
+        if _same_addresses is not None:
+            return not _same_addresses(self.tensors, self.addresses, self.indices)
+        return any(t.data_ptr() != a for t, a in zip(self.tensors, self.addresses))
 
 
 class GraphRunner:
@@ -804,7 +880,19 @@ class GraphRunner:
         values join the signature and `fn` reads them with `hoisted(name)`.
     context: `() -> hashable`, read on every call, added to the signature (e.g. the
         tiers mounted on a model's sites).
+    watch: `() -> tensors` that the graphs read in place besides their inputs (a
+        model's parameters and buffers: `model_tensors`). A graph holds their
+        addresses, so before each call the runner checks that they have not moved
+        since capture (`.to()`, offloading, a `.data` swap) and, after any module,
+        parameter or buffer was registered anywhere in the process (a module or
+        parameter replaced, LoRA layers added), that `watch()` gives the same
+        tensors. If not, every graph is released and captured again on the new
+        addresses; after `MAX_MOVES` such moves (a model offloaded between calls),
+        graphs are off for good and `fn` runs as it is, with a warning.
     """
+
+    #: releases for moved `watch` tensors after which graphs stay off
+    MAX_MOVES = 3
 
     def __init__(
         self,
@@ -819,6 +907,7 @@ class GraphRunner:
         prepare: Callable[[tuple, dict], dict] | None = None,
         hoist: Callable[[tuple, dict], dict] | None = None,
         context: Callable[[], Any] | None = None,
+        watch: Callable[[], Any] | None = None,
         capture_error_mode: str = "global",
         name: str | None = None,
     ):
@@ -841,6 +930,10 @@ class GraphRunner:
         self.prepare = prepare
         self.hoist = hoist
         self.context = context
+        self.watch = watch
+        self._watched: _Watched | None = None  # the watched tensors where the live graphs read them
+        if watch is not None:
+            _count_registrations()
         self.name = name or getattr(fn, "__qualname__", type(fn).__name__)
         if backend is None:
             if isinstance(pool, str):
@@ -877,6 +970,10 @@ class GraphRunner:
             self.counts["eager"] += 1
             return self._eager_call(values, args, kwargs)
         with self._lock:
+            if self._watched is not None and self._watched.moved(self.watch):
+                self._moved()
+                if not self.enabled:
+                    return self.fn(*args, **kwargs)
             self.counts["calls"] += 1
             entry = self._graphs.get(key)
             if entry is not None:
@@ -953,6 +1050,8 @@ class GraphRunner:
             raise _WarmupError() from exc
         for static, x in zip(entry.inputs, tensors):
             static.fill(x)  # in case the function wrote to them
+        if self.watch is not None and self._watched is None:
+            self._watched = _Watched(self.watch)  # where the graphs about to be captured read them
         capture = _Capture(self.backend, entry.device, [s.tensor for s in entry.inputs])
         t0 = time.perf_counter()
         with self.backend.session(entry.device) as stats:
@@ -1078,6 +1177,20 @@ class GraphRunner:
         entry.constants = {}
         entry.call = None
 
+    def _moved(self) -> None:
+        """A watched tensor moved: release every graph (they read the old addresses)."""
+        self.counts["moves"] += 1
+        self.clear()
+        self._watched = None
+        what = (f"the parameters or buffers {self.name} reads moved since its CUDA graphs were captured "
+                "(.to(), offloading, a .data swap, or a module or parameter replaced)")
+        if self.counts["moves"] >= self.MAX_MOVES:
+            self.enabled = False
+            warnings.warn(f"bitfuse.graphs: {what}, {self.counts['moves']} times; CUDA graphs are off for it "
+                          "from now on (it runs without them)", GraphCaptureWarning, stacklevel=4)
+        else:
+            self._warn_once("moved", f"{what}; its graphs are released and captured again")
+
     def _warn_once(self, key, message: str) -> None:
         if key in self._warned:
             return
@@ -1173,7 +1286,8 @@ def graph_runner_of(model: torch.nn.Module) -> GraphRunner | None:
 def wrap_model_for_graphs(model: torch.nn.Module, **options) -> GraphRunner:
     """Route `model.forward` (instance level) through a new GraphRunner; returns it.
 
-    options: GraphRunner's. What the model needs (a `prepare`, a `hoist`, its
+    options: GraphRunner's; `watch` defaults to the model's parameters and buffers
+    (`model_tensors`). What the model needs (a `prepare`, a `hoist`, its
     mounted tiers as `context`) comes from its integration: `handle.enable_graphs()`
     (or `accelerate(cuda_graphs=True)`) passes them. The wrapper keeps the forward's
     signature (pipelines inspect it). `runner.restore()` puts the previous forward
@@ -1183,6 +1297,7 @@ def wrap_model_for_graphs(model: torch.nn.Module, **options) -> GraphRunner:
     unwrap_model_for_graphs(model)
     previous = model.__dict__.get("forward", _UNSET)  # e.g. the forward accelerate() installed
     options.setdefault("name", f"{type(model).__name__}.forward")
+    options.setdefault("watch", functools.partial(model_tensors, model))  # its graphs read them in place
     runner = GraphRunner(model.forward, **options)
 
     @functools.wraps(runner.fn)

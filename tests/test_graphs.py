@@ -881,6 +881,88 @@ def test_wrap_takes_modules_only():
         graphs.wrap_model_for_graphs(object())
 
 
+# ---------------------------------------------------------------- parameters that move
+
+
+def _moved_toy():
+    model = Toy()
+    runner = graphs.wrap_model_for_graphs(model, backend=EmulatedGraphBackend())
+    x = torch.randn(3, 4)
+    assert same_bits(model(x), Toy.forward(model, x)) and runner.backend.captures == 1
+    return model, runner, x
+
+
+def test_a_graph_would_read_the_memory_a_moved_parameter_left():
+    """The hazard the watch closes: without it, the emulated replay (as a CUDA graph)
+    reads the weight where it was at capture, after `.data` moved it (`.to()` and
+    offloading do so)."""
+    model = Toy()
+    graphs.wrap_model_for_graphs(model, backend=EmulatedGraphBackend(), watch=None)
+    x = torch.randn(3, 4)
+    model(x)
+    model.lin.weight.data = model.lin.weight.data * 2
+    with pytest.raises(RuntimeError, match="has moved since"):
+        model(x)
+
+
+def test_a_parameter_moved_since_capture_releases_the_graphs_and_captures_again():
+    model, runner, x = _moved_toy()
+    model.lin.weight.data = model.lin.weight.data * 2  # new memory, new values
+    with pytest.warns(graphs.GraphCaptureWarning, match="moved since its CUDA graphs were captured"):
+        out = model(x)
+    assert same_bits(out, Toy.forward(model, x))
+    assert runner.backend.captures == 2 and runner.backend.released == 1 and runner.counts["moves"] == 1
+    assert same_bits(model(x), Toy.forward(model, x)) and runner.backend.captures == 2  # replayed
+
+
+def test_a_module_replaced_since_capture_releases_the_graphs():
+    model, runner, x = _moved_toy()
+    model.lin = torch.nn.Linear(4, 4)  # new parameters: the graph would run the old module's
+    with pytest.warns(graphs.GraphCaptureWarning, match="moved"):
+        assert same_bits(model(x), Toy.forward(model, x))
+    assert runner.counts["moves"] == 1 and runner.backend.captures == 2
+
+
+def test_a_buffer_is_watched_too():
+    model, runner, x = _moved_toy()
+    model.register_buffer("offset", torch.ones(4))  # a new buffer: the watched set changed
+    with pytest.warns(graphs.GraphCaptureWarning):
+        model(x)
+    assert runner.counts["moves"] == 1
+    model.offset.data = torch.zeros(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", graphs.GraphCaptureWarning)
+        model(x)
+    assert runner.counts["moves"] == 2
+
+
+def test_registrations_elsewhere_and_in_place_writes_keep_the_graphs():
+    """A module built elsewhere makes the runner look at its model again (the same
+    tensors in the same places: the graphs stay); an in-place write to a weight keeps
+    its address, and the replay reads the new values, as eager would."""
+    model, runner, x = _moved_toy()
+    other = torch.nn.Linear(4, 4)  # registrations anywhere in the process
+    model.lin.weight.mul_(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", graphs.GraphCaptureWarning)
+        assert same_bits(model(x), Toy.forward(model, x))
+    assert runner.counts["moves"] == 0 and runner.backend.captures == 1 and other.weight.numel() == 16
+
+
+def test_parameters_that_move_on_every_call_turn_graphs_off():
+    """A model offloaded between calls: after MAX_MOVES moves the runner stops capturing
+    and the forward runs as it is (every output still the eager one)."""
+    model, runner, x = _moved_toy()
+    with pytest.warns(graphs.GraphCaptureWarning) as caught:
+        for i in range(runner.MAX_MOVES + 2):
+            for p in model.parameters():
+                p.data = p.data.clone()  # an offload cycle: the same values, new memory
+            assert same_bits(model(x), Toy.forward(model, x))
+    assert runner.counts["moves"] == runner.MAX_MOVES and not runner.enabled
+    assert runner.backend.captures == runner.MAX_MOVES  # the first, then one after each move but the last
+    assert any("off for it from now on" in str(w.message) for w in caught)
+
+
 # ---------------------------------------------------------------- bench/graphs.py
 
 

@@ -1,0 +1,152 @@
+"""Every integration when its parameters move between calls: an offload cycle
+(`model.to("cpu")` then back, diffusers' offloading, any `.data` swap), weights
+replaced by others, a module replaced (as LoRA layers are injected).
+
+The forward copies read each parameter where it is at the call, and so must the
+host caches (Sana's packed caption projections, its modulation table rows) and the
+CUDA graphs, which hold the addresses their capture read: the runner watches the
+model's parameters and buffers (`graphs.model_tensors`) and captures again where
+they moved. Each accelerated output is bitwise the stock model's under the same
+changes. On CPU the sites fall back to their eager expressions and the graphs are
+emulated (`EmulatedGraphBackend`, which raises where a CUDA graph would read the
+memory a tensor left); on a GPU the kernels and real graphs run, in bf16."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+import bitfuse  # noqa: E402
+from bitfuse import graphs  # noqa: E402
+from bitfuse.numerics import differing, same_bits  # noqa: E402
+from model_checks import is_stock  # noqa: E402
+
+# small inputs per model (its make_inputs keyword arguments)
+_INPUTS = {
+    "ltx2": {},
+    "flux": dict(height=64, width=64, text_tokens=8),
+    "flux2": dict(height=64, width=64, text_tokens=8),
+    "qwenimage": dict(height=64, width=64, text_tokens=8),
+    "wan": dict(height=32, width=32, frames=5, text_tokens=8),
+    "sana": dict(height=128, width=128, text_tokens=8),
+}
+
+
+def _outputs(model, kwargs) -> tuple:
+    with torch.no_grad():
+        out = model(**kwargs)
+    return tuple(out) if isinstance(out, (tuple, list)) else (out.sample,)
+
+
+def _assert_same(out, ref) -> None:
+    assert len(out) == len(ref) >= 1
+    for o, r in zip(out, ref):
+        assert not r.isnan().any(), "the stock output has NaNs: the comparison would mean nothing"
+        assert same_bits(o, r), f"{differing(o, r)} of {r.numel()} elements differ"
+
+
+def _first_block_linear(model) -> str:
+    """The qualified name of a linear of the model's first block."""
+    for name, module in model.named_modules():
+        if type(module) is torch.nn.Linear and ".0." in f".{name}.":
+            return name
+    raise AssertionError("no linear in a first block")
+
+
+def _replace_linear(model, name: str, weight, bias) -> None:
+    parent, _, child = name.rpartition(".")
+    old = model.get_submodule(name)
+    new = torch.nn.Linear(old.in_features, old.out_features, bias=old.bias is not None,
+                          device=old.weight.device, dtype=old.weight.dtype)
+    with torch.no_grad():
+        new.weight.copy_(weight)
+        if bias is not None:
+            new.bias.copy_(bias)
+    setattr(model.get_submodule(parent), child, new)
+
+
+@pytest.mark.parametrize("setup", ["cpu", "cpu-graphs", pytest.param("cuda", marks=pytest.mark.gpu),
+                                   pytest.param("cuda-graphs", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("name", list(_INPUTS))
+def test_parameters_that_move_between_calls(name, setup):
+    C = importlib.import_module(f"bitfuse.models.{name}_configs")
+    cuda = setup.startswith("cuda")
+    model = C.build_model(C.tiny_config(), device="cuda", dtype=torch.bfloat16) if cuda \
+        else C.build_model(C.tiny_config())
+    stock = copy.deepcopy(model)
+    kwargs = C.make_inputs(model, **_INPUTS[name])
+    options = {}
+    if setup.endswith("graphs"):
+        options = dict(cuda_graphs=True, warmup=1)
+        if not cuda:
+            options["backend"] = graphs.EmulatedGraphBackend()
+    handle = bitfuse.accelerate(model, **options)
+    target = _first_block_linear(model)
+    gen = torch.Generator().manual_seed(0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", graphs.GraphCaptureWarning)  # (moves are announced)
+            _assert_same(_outputs(model, kwargs), _outputs(stock, kwargs))
+            _assert_same(_outputs(model, kwargs), _outputs(stock, kwargs))
+            # an offload cycle: every parameter in new memory, the same values
+            if cuda:
+                model.to("cpu")
+                model.to("cuda")
+            else:
+                for p in model.parameters():
+                    p.data = p.data.clone()
+            _assert_same(_outputs(model, kwargs), _outputs(stock, kwargs))
+            # weights replaced by others (new memory, new values), in both models
+            for m in (model, stock):
+                lin = m.get_submodule(target)
+                lin.weight.data = lin.weight.data * 1.5
+            _assert_same(_outputs(model, kwargs), _outputs(stock, kwargs))
+            # a module replaced, as LoRA layers are injected
+            old = model.get_submodule(target)
+            weight = torch.randn(old.weight.shape, generator=gen).to(old.weight) * old.weight.float().std()
+            bias = None if old.bias is None else torch.randn(old.bias.shape, generator=gen).to(old.bias) * 0.1
+            for m in (model, stock):
+                _replace_linear(m, target, weight, bias)
+            _assert_same(_outputs(model, kwargs), _outputs(stock, kwargs))
+            _assert_same(_outputs(model, kwargs), _outputs(stock, kwargs))
+            if setup.endswith("graphs"):
+                # the weights and the module replaced are moves; the offload cycle is one unless
+                # the allocator gave every parameter its old address back (then the graphs
+                # read the right memory); graphs are off after MAX_MOVES
+                runner = handle.graphs
+                assert runner.counts["moves"] >= 2 and runner.enabled is (runner.counts["moves"] < runner.MAX_MOVES)
+    finally:
+        handle.restore()
+    assert is_stock(model)
+    _assert_same(_outputs(model, kwargs), _outputs(stock, kwargs))
+
+
+@pytest.mark.parametrize("name", ["sana", "flux"])
+def test_diffusers_group_offloading(name):
+    """diffusers' group offloading (its hooks move each block's parameters on and off
+    the device around the block's call), before and after accelerate; on CPU both
+    devices are the CPU: the hooks' interplay with the installed forwards."""
+    pytest.importorskip("accelerate")  # (diffusers' offloading imports it)
+    C = importlib.import_module(f"bitfuse.models.{name}_configs")
+    for order in ("offload first", "accelerate first"):
+        model = C.build_model(C.tiny_config())
+        kwargs = C.make_inputs(model, **_INPUTS[name])
+        ref = _outputs(model, kwargs)
+        cpu = torch.device("cpu")
+        if order == "offload first":
+            model.enable_group_offload(onload_device=cpu, offload_device=cpu, offload_type="block_level",
+                                       num_blocks_per_group=1)
+        handle = bitfuse.accelerate(model)
+        if order == "accelerate first":
+            model.enable_group_offload(onload_device=cpu, offload_device=cpu, offload_type="leaf_level")
+        try:
+            _assert_same(_outputs(model, kwargs), ref)
+            _assert_same(_outputs(model, kwargs), ref)
+        finally:
+            handle.restore()
