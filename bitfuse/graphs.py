@@ -13,7 +13,10 @@ alignment), every other argument by value, and the context that picks kernels:
 the quality tier requested by `bitfuse.quality(...)`, BITFUSE_DISABLE/VERIFY,
 grad and inference mode, plus whatever the caller's `context()` adds (a model
 integration adds the tiers mounted on its sites) and the values `hoist` computes.
-A graph captured under one tier never replays under another.
+A graph captured under one tier never replays under another. A graph also reads,
+where they were at capture, the tensors `watch` names (for a model: its parameters
+and buffers); before each call the runner checks that none has moved, and
+captures again where one has (see GraphRunner).
 
 First sight of a signature: the inputs are copied into static buffers with the
 same strides and alignment, `fn` runs eagerly `warmup` times on a side stream
