@@ -32,6 +32,25 @@ def assert_same(out, ref) -> None:
     assert same_bits(o, r), f"{differing(o, r)} of {r.numel()} elements differ"
 
 
+def assert_all_same(out, ref) -> None:
+    """Every tensor a forward returns (LTX-2: video and audio) bitwise stock's."""
+    assert isinstance(out, tuple) and len(out) == len(ref) >= 1
+    for o, r in zip(out, ref):
+        assert not r.isnan().any(), "the stock output has NaNs: the comparison would mean nothing"
+        assert same_bits(o, r), f"{differing(o, r)} of {r.numel()} elements differ"
+
+
+#: each integration's small inputs on its tiny config (`<model>_configs.make_inputs` keywords)
+TINY_INPUTS = {
+    "ltx2": {},
+    "flux": dict(height=64, width=64, text_tokens=8),
+    "flux2": dict(height=64, width=64, text_tokens=8),
+    "qwenimage": dict(height=64, width=64, text_tokens=8),
+    "wan": dict(height=32, width=32, frames=5, text_tokens=8),
+    "sana": dict(height=128, width=128, text_tokens=8),
+}
+
+
 def _processors(model) -> list:
     return [m.processor for m in model.modules() if hasattr(m, "processor")]
 

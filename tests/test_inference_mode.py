@@ -21,26 +21,7 @@ pytest.importorskip("diffusers")
 
 import bitfuse  # noqa: E402
 from bitfuse.models import _install  # noqa: E402
-from bitfuse.numerics import differing, same_bits  # noqa: E402
-from model_checks import is_stock  # noqa: E402
-
-# small inputs per model (its make_inputs keyword arguments)
-_INPUTS = {
-    "ltx2": {},
-    "flux": dict(height=64, width=64, text_tokens=8),
-    "flux2": dict(height=64, width=64, text_tokens=8),
-    "qwenimage": dict(height=64, width=64, text_tokens=8),
-    "wan": dict(height=32, width=32, frames=5, text_tokens=8),
-    "sana": dict(height=128, width=128, text_tokens=8),
-}
-
-
-def assert_same(out, ref) -> None:
-    """Every tensor a forward returns (LTX-2: video and audio) bitwise stock's."""
-    assert isinstance(out, tuple) and len(out) == len(ref) >= 1
-    for o, r in zip(out, ref):
-        assert not r.isnan().any(), "the stock output has NaNs: the comparison would mean nothing"
-        assert same_bits(o, r), f"{differing(o, r)} of {r.numel()} elements differ"
+from model_checks import TINY_INPUTS, assert_all_same, is_stock  # noqa: E402
 
 
 def _run(model, kwargs, mode):
@@ -50,23 +31,23 @@ def _run(model, kwargs, mode):
 
 @pytest.mark.parametrize("setup", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu),
                                    pytest.param("cuda-graphs", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("name", list(_INPUTS))
+@pytest.mark.parametrize("name", list(TINY_INPUTS))
 def test_accelerated_forward_in_inference_mode_is_stock(name, setup):
     C = importlib.import_module(f"bitfuse.models.{name}_configs")
     if setup == "cpu":
         model = C.build_model(C.tiny_config())
     else:
         model = C.build_model(C.tiny_config(), device="cuda", dtype=torch.bfloat16)
-    kwargs = C.make_inputs(model, **_INPUTS[name])
+    kwargs = C.make_inputs(model, **TINY_INPUTS[name])
     refs = {mode: _run(model, kwargs, mode) for mode in ("inference", "no_grad")}
     handle = bitfuse.accelerate(model, cuda_graphs=setup == "cuda-graphs")
     try:
         for mode in ("inference", "inference", "no_grad", "inference", "no_grad"):
-            assert_same(_run(model, kwargs, mode), refs[mode])
+            assert_all_same(_run(model, kwargs, mode), refs[mode])
     finally:
         handle.restore()
     assert is_stock(model)
-    assert_same(_run(model, kwargs, "inference"), refs["inference"])
+    assert_all_same(_run(model, kwargs, "inference"), refs["inference"])
 
 
 def test_version_of_an_inference_tensor_equals_nothing():
@@ -89,12 +70,12 @@ def test_a_model_made_in_inference_mode_accelerates(name):
     C = importlib.import_module(f"bitfuse.models.{name}_configs")
     with torch.inference_mode():
         model = C.build_model(C.tiny_config())
-        kwargs = C.make_inputs(model, **_INPUTS[name])
+        kwargs = C.make_inputs(model, **TINY_INPUTS[name])
         ref = model(**kwargs)
         handle = bitfuse.accelerate(model)
         try:
-            assert_same(model(**kwargs), ref)
-            assert_same(model(**kwargs), ref)
+            assert_all_same(model(**kwargs), ref)
+            assert_all_same(model(**kwargs), ref)
         finally:
             handle.restore()
     assert is_stock(model)

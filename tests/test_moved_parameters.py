@@ -24,31 +24,13 @@ pytest.importorskip("diffusers")
 
 import bitfuse  # noqa: E402
 from bitfuse import graphs  # noqa: E402
-from bitfuse.numerics import differing, same_bits  # noqa: E402
-from model_checks import is_stock  # noqa: E402
-
-# small inputs per model (its make_inputs keyword arguments)
-_INPUTS = {
-    "ltx2": {},
-    "flux": dict(height=64, width=64, text_tokens=8),
-    "flux2": dict(height=64, width=64, text_tokens=8),
-    "qwenimage": dict(height=64, width=64, text_tokens=8),
-    "wan": dict(height=32, width=32, frames=5, text_tokens=8),
-    "sana": dict(height=128, width=128, text_tokens=8),
-}
+from model_checks import TINY_INPUTS, assert_all_same, is_stock  # noqa: E402
 
 
 def _outputs(model, kwargs) -> tuple:
     with torch.no_grad():
         out = model(**kwargs)
     return tuple(out) if isinstance(out, (tuple, list)) else (out.sample,)
-
-
-def _assert_same(out, ref) -> None:
-    assert len(out) == len(ref) >= 1
-    for o, r in zip(out, ref):
-        assert not r.isnan().any(), "the stock output has NaNs: the comparison would mean nothing"
-        assert same_bits(o, r), f"{differing(o, r)} of {r.numel()} elements differ"
 
 
 def _first_block_linear(model) -> str:
@@ -73,14 +55,14 @@ def _replace_linear(model, name: str, weight, bias) -> None:
 
 @pytest.mark.parametrize("setup", ["cpu", "cpu-graphs", pytest.param("cuda", marks=pytest.mark.gpu),
                                    pytest.param("cuda-graphs", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("name", list(_INPUTS))
+@pytest.mark.parametrize("name", list(TINY_INPUTS))
 def test_parameters_that_move_between_calls(name, setup):
     C = importlib.import_module(f"bitfuse.models.{name}_configs")
     cuda = setup.startswith("cuda")
     model = C.build_model(C.tiny_config(), device="cuda", dtype=torch.bfloat16) if cuda \
         else C.build_model(C.tiny_config())
     stock = copy.deepcopy(model)
-    kwargs = C.make_inputs(model, **_INPUTS[name])
+    kwargs = C.make_inputs(model, **TINY_INPUTS[name])
     options = {}
     if setup.endswith("graphs"):
         options = dict(cuda_graphs=True, warmup=1)
@@ -92,8 +74,8 @@ def test_parameters_that_move_between_calls(name, setup):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", graphs.GraphCaptureWarning)  # (moves are announced)
-            _assert_same(_outputs(model, kwargs), _outputs(stock, kwargs))
-            _assert_same(_outputs(model, kwargs), _outputs(stock, kwargs))
+            assert_all_same(_outputs(model, kwargs), _outputs(stock, kwargs))
+            assert_all_same(_outputs(model, kwargs), _outputs(stock, kwargs))
             # an offload cycle: every parameter in new memory, the same values
             if cuda:
                 model.to("cpu")
@@ -101,20 +83,20 @@ def test_parameters_that_move_between_calls(name, setup):
             else:
                 for p in model.parameters():
                     p.data = p.data.clone()
-            _assert_same(_outputs(model, kwargs), _outputs(stock, kwargs))
+            assert_all_same(_outputs(model, kwargs), _outputs(stock, kwargs))
             # weights replaced by others (new memory, new values), in both models
             for m in (model, stock):
                 lin = m.get_submodule(target)
                 lin.weight.data = lin.weight.data * 1.5
-            _assert_same(_outputs(model, kwargs), _outputs(stock, kwargs))
+            assert_all_same(_outputs(model, kwargs), _outputs(stock, kwargs))
             # a module replaced, as LoRA layers are injected
             old = model.get_submodule(target)
             weight = torch.randn(old.weight.shape, generator=gen).to(old.weight) * old.weight.float().std()
             bias = None if old.bias is None else torch.randn(old.bias.shape, generator=gen).to(old.bias) * 0.1
             for m in (model, stock):
                 _replace_linear(m, target, weight, bias)
-            _assert_same(_outputs(model, kwargs), _outputs(stock, kwargs))
-            _assert_same(_outputs(model, kwargs), _outputs(stock, kwargs))
+            assert_all_same(_outputs(model, kwargs), _outputs(stock, kwargs))
+            assert_all_same(_outputs(model, kwargs), _outputs(stock, kwargs))
             if setup.endswith("graphs"):
                 # the weights and the module replaced are moves; the offload cycle is one unless
                 # the allocator gave every parameter its old address back (then the graphs
@@ -124,7 +106,7 @@ def test_parameters_that_move_between_calls(name, setup):
     finally:
         handle.restore()
     assert is_stock(model)
-    _assert_same(_outputs(model, kwargs), _outputs(stock, kwargs))
+    assert_all_same(_outputs(model, kwargs), _outputs(stock, kwargs))
 
 
 @pytest.mark.parametrize("name", ["sana", "flux"])
@@ -136,7 +118,7 @@ def test_diffusers_group_offloading(name):
     C = importlib.import_module(f"bitfuse.models.{name}_configs")
     for order in ("offload first", "accelerate first"):
         model = C.build_model(C.tiny_config())
-        kwargs = C.make_inputs(model, **_INPUTS[name])
+        kwargs = C.make_inputs(model, **TINY_INPUTS[name])
         ref = _outputs(model, kwargs)
         cpu = torch.device("cpu")
         if order == "offload first":
@@ -146,7 +128,7 @@ def test_diffusers_group_offloading(name):
         if order == "accelerate first":
             model.enable_group_offload(onload_device=cpu, offload_device=cpu, offload_type="leaf_level")
         try:
-            _assert_same(_outputs(model, kwargs), ref)
-            _assert_same(_outputs(model, kwargs), ref)
+            assert_all_same(_outputs(model, kwargs), ref)
+            assert_all_same(_outputs(model, kwargs), ref)
         finally:
             handle.restore()
