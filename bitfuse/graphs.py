@@ -1268,6 +1268,7 @@ class GraphRunner:
             return {
                 "name": self.name,
                 "backend": self.backend.name,
+                "enabled": self.enabled,  # (False after close(), or after MAX_MOVES moves of watched tensors)
                 "graphs": len(self._graphs),
                 "max_graphs": self.max_graphs,
                 "total_bytes_estimate": sum(r.get("total_bytes_estimate", 0) for r in rows),

@@ -959,6 +959,8 @@ def test_parameters_that_move_on_every_call_turn_graphs_off():
                 p.data = p.data.clone()  # an offload cycle: the same values, new memory
             assert same_bits(model(x), Toy.forward(model, x))
     assert runner.counts["moves"] == runner.MAX_MOVES and not runner.enabled
+    report = runner.report()
+    assert report["moves"] == runner.MAX_MOVES and report["enabled"] is False and report["graphs"] == 0
     assert runner.backend.captures == runner.MAX_MOVES  # the first, then one after each move but the last
     assert any("off for it from now on" in str(w.message) for w in caught)
 
