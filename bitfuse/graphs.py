@@ -975,8 +975,9 @@ class GraphRunner:
         with self._lock:
             if self._watched is not None and self._watched.moved(self.watch):
                 self._moved()
-                if not self.enabled:
-                    return self.fn(*args, **kwargs)
+                if not self.enabled:  # (graphs off: this call as every later one, eagerly)
+                    self.counts["eager"] += 1
+                    return self._eager_call(values, args, kwargs)
             self.counts["calls"] += 1
             entry = self._graphs.get(key)
             if entry is not None:

@@ -18,8 +18,8 @@ from bitfuse.ops._settings import cudnn_settings, gemm_settings
 
 
 def test_plain_hashable_values():
-    for values in (cudnn_settings(torch.bfloat16), cudnn_settings(torch.float32), *(gemm_settings(d) for d in (torch.bfloat16, torch.float16, torch.float32,
-                                                                    torch.float64))):
+    gemms = (gemm_settings(d) for d in (torch.bfloat16, torch.float16, torch.float32, torch.float64))
+    for values in (cudnn_settings(torch.bfloat16), cudnn_settings(torch.float32), *gemms):
         assert isinstance(values, tuple) and values and hash(values) is not None
 
 

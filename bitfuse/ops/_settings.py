@@ -8,7 +8,7 @@ reached under another setting.
 Every value is read through a getter that cannot raise: torch refuses to report
 some legacy flags once the newer API has set them (`torch.backends.cudnn.allow_tf32`
 after `torch.backends.cudnn.conv.fp32_precision = "ieee"` raises RuntimeError), so
-where torch has the newer getter (`fp32_precision`; torch 2.13 here has both) it is read instead,
+where torch has the newer getter (`_get_fp32_precision_getter`) it is read instead,
 and an unreadable value becomes its error's name."""
 
 from __future__ import annotations

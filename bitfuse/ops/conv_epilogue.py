@@ -639,7 +639,8 @@ def _plan_conv(x, weight, bias, stride, padding, dilation, groups, glu: bool):
     bias_where = "bias split" if split else ("bias in conv" if bias is not None else "no bias")
     fused = glu and split and DEPTHWISE and _depthwise_fits(x, weight, stride, padding, dilation, groups)
     key = (x.dtype, x.get_device(), f"{weight.shape[2]}x{weight.shape[3]} {kind}", f"stride={stride}",
-           f"padding={padding}", f"dilation={dilation}", fmt, f"cuDNN settings {cudnn_settings(x.dtype)}", backend, bias_where)
+           f"padding={padding}", f"dilation={dilation}", fmt, f"cuDNN settings {cudnn_settings(x.dtype)}", backend,
+           bias_where)
     if fused:
         key += ("convolution fused",)
     return ConvPlan(x, weight, bias, stride, padding, dilation, groups, split, glu, key, fused)
