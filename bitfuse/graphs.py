@@ -891,7 +891,9 @@ class GraphRunner:
         parameter replaced, LoRA layers added), that `watch()` gives the same
         tensors. If not, every graph is released and captured again on the new
         addresses; after `MAX_MOVES` such moves (a model offloaded between calls),
-        graphs are off for good and `fn` runs as it is, with a warning.
+        graphs are off for good and `fn` runs as it is, with a warning. A signature
+        first seen while a watched tensor is off the inputs' device (weights offloaded
+        until their block runs) runs eagerly, without a capture.
     """
 
     #: releases for moved `watch` tensors after which graphs stay off
@@ -1007,7 +1009,17 @@ class GraphRunner:
         if torch.is_grad_enabled():
             # a captured autograd graph would keep stale saved tensors: inference only
             return "autograd is enabled (call under torch.no_grad() or torch.inference_mode())"
-        return self.backend.rejects(tensors)
+        reason = self.backend.rejects(tensors)
+        if reason is None and self.watch is not None:
+            # a graph reads these in place: one left on another device (offloaded
+            # between calls) would be copied in at capture, which a capture refuses
+            device = self.backend.device(tensors)
+            away = [t for t in self.watch() if isinstance(t, torch.Tensor) and t.device != device]
+            if away:
+                where = ", ".join(sorted({str(t.device) for t in away}))
+                reason = (f"{len(away)} of the parameters and buffers {self.name} reads are on {where}, not {device} "
+                          "(offloaded? CUDA graphs need them resident on the device)")
+        return reason
 
     def _first_sight(self, key, values, tensors, args, kwargs):
         spec_args, spec_kwargs, _ = key

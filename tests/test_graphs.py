@@ -965,6 +965,21 @@ def test_parameters_that_move_on_every_call_turn_graphs_off():
     assert any("off for it from now on" in str(w.message) for w in caught)
 
 
+def test_parameters_on_another_device_run_eagerly_without_a_capture():
+    """A model offloaded between calls (diffusers' group offloading keeps its weights on
+    the CPU until each block runs): the runner does not try a capture that would copy
+    them in, and says why (the emulated backend's device is the CPU; here a buffer on
+    the meta device stands for the weights left behind)."""
+    model = Toy()
+    model.register_buffer("left_behind", torch.empty(2, device="meta"))
+    runner = graphs.wrap_model_for_graphs(model, backend=EmulatedGraphBackend())
+    x = torch.randn(3, 4)
+    with pytest.warns(graphs.GraphCaptureWarning, match=r"1 of the parameters and buffers .* are on meta, not cpu"):
+        assert same_bits(model(x), Toy.forward(model, x))
+    assert same_bits(model(x), Toy.forward(model, x))
+    assert runner.backend.captures == 0 and runner.counts["eager"] == 2 and runner.counts["capture_failures"] == 0
+
+
 # ---------------------------------------------------------------- bench/graphs.py
 
 
