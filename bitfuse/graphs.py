@@ -763,6 +763,11 @@ class _Diverged(Exception):
         self.observed = observed
 
 
+class _OffDevice(Exception):
+    """Watched tensors still away from the capture device after the warm-up (weights
+    offloaded until their block runs): a capture would have to copy them in."""
+
+
 class _WarmupError(Exception):
     """Carries (as __cause__) an error the function raised during warmup: its own
     error, which it would raise eagerly too (not a capture failure)."""
@@ -892,8 +897,8 @@ class GraphRunner:
         tensors. If not, every graph is released and captured again on the new
         addresses; after `MAX_MOVES` such moves (a model offloaded between calls),
         graphs are off for good and `fn` runs as it is, with a warning. A signature
-        first seen while a watched tensor is off the inputs' device (weights offloaded
-        until their block runs) runs eagerly, without a capture.
+        whose warm-up leaves a watched tensor off the capture device (weights
+        offloaded until their block runs) runs eagerly, without a capture.
     """
 
     #: releases for moved `watch` tensors after which graphs stay off
@@ -1009,17 +1014,7 @@ class GraphRunner:
         if torch.is_grad_enabled():
             # a captured autograd graph would keep stale saved tensors: inference only
             return "autograd is enabled (call under torch.no_grad() or torch.inference_mode())"
-        reason = self.backend.rejects(tensors)
-        if reason is None and self.watch is not None:
-            # a graph reads these in place: one left on another device (offloaded
-            # between calls) would be copied in at capture, which a capture refuses
-            device = self.backend.device(tensors)
-            away = [t for t in self.watch() if isinstance(t, torch.Tensor) and t.device != device]
-            if away:
-                where = ", ".join(sorted({str(t.device) for t in away}))
-                reason = (f"{len(away)} of the parameters and buffers {self.name} reads are on {where}, not {device} "
-                          "(offloaded? CUDA graphs need them resident on the device)")
-        return reason
+        return self.backend.rejects(tensors)
 
     def _first_sight(self, key, values, tensors, args, kwargs):
         spec_args, spec_kwargs, _ = key
@@ -1049,6 +1044,12 @@ class GraphRunner:
                     out = self._capture_path(entry, tensors)
             except _WarmupError as exc:
                 raise exc.__cause__ from None  # the function's own error: it would happen eagerly too
+            except _OffDevice as exc:
+                self._release(entry)
+                self._eager[key] = _Eager(key, str(exc))
+                self._warn_once(("off device", str(exc)), f"{exc}; calling {self.name} eagerly")
+                self.counts["eager"] += 1
+                return self._eager_call(values, args, kwargs)
             except Exception as exc:
                 return self._capture_failed(entry, exc, args, kwargs)
             self._graphs[key] = entry
@@ -1066,6 +1067,16 @@ class GraphRunner:
             raise _WarmupError() from exc
         for static, x in zip(entry.inputs, tensors):
             static.fill(x)  # in case the function wrote to them
+        if self.watch is not None:
+            # a graph reads these in place, so they must be on the device now that the
+            # warm-up has run the forward's own hooks (a model CPU offload brings the
+            # model over and leaves it; group offloading takes each block's weights back)
+            away = [t for t in self.watch() if isinstance(t, torch.Tensor) and t.device != entry.device]
+            if away:
+                where = ", ".join(sorted({str(t.device) for t in away}))
+                raise _OffDevice(f"{len(away)} of the parameters and buffers {self.name} reads are on {where} "
+                                 f"after its warm-up, not {entry.device} (offloaded between calls? CUDA graphs "
+                                 "need them resident on the device)")
         if self.watch is not None and self._watched is None:
             self._watched = _Watched(self.watch)  # where the graphs about to be captured read them
         capture = _Capture(self.backend, entry.device, [s.tensor for s in entry.inputs])

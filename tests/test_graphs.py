@@ -965,19 +965,42 @@ def test_parameters_that_move_on_every_call_turn_graphs_off():
     assert any("off for it from now on" in str(w.message) for w in caught)
 
 
-def test_parameters_on_another_device_run_eagerly_without_a_capture():
-    """A model offloaded between calls (diffusers' group offloading keeps its weights on
-    the CPU until each block runs): the runner does not try a capture that would copy
-    them in, and says why (the emulated backend's device is the CPU; here a buffer on
-    the meta device stands for the weights left behind)."""
+def test_parameters_left_off_the_device_run_eagerly_without_a_capture():
+    """A model offloaded between calls (diffusers' group offloading takes each block's
+    weights back to the CPU after the block runs): after the warm-up the runner does not
+    try a capture that would copy them in, and says why (the emulated backend's device
+    is the CPU; a buffer on the meta device stands for the weights left behind)."""
     model = Toy()
     model.register_buffer("left_behind", torch.empty(2, device="meta"))
     runner = graphs.wrap_model_for_graphs(model, backend=EmulatedGraphBackend())
     x = torch.randn(3, 4)
-    with pytest.warns(graphs.GraphCaptureWarning, match=r"1 of the parameters and buffers .* are on meta, not cpu"):
+    with pytest.warns(graphs.GraphCaptureWarning, match=r"1 of the parameters and buffers .* are on meta after"):
         assert same_bits(model(x), Toy.forward(model, x))
     assert same_bits(model(x), Toy.forward(model, x))
     assert runner.backend.captures == 0 and runner.counts["eager"] == 2 and runner.counts["capture_failures"] == 0
+
+
+def test_parameters_a_hook_brings_over_in_the_warm_up_are_captured():
+    """A forward wrapped by a hook that moves the model onto the device first (accelerate's
+    model CPU offload, set before bitfuse): the warm-up runs the hook, the capture reads
+    the weights where it left them, and later calls replay."""
+    model = Toy()
+    model.register_buffer("held", torch.empty(2, device="meta"))
+    inner = model.forward
+
+    def onload_then_forward(x):
+        if model.held.device.type == "meta":
+            model.held = torch.zeros(2)  # the weights brought onto the device, kept there
+        return inner(x)
+
+    model.forward = onload_then_forward
+    runner = graphs.wrap_model_for_graphs(model, backend=EmulatedGraphBackend())
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", graphs.GraphCaptureWarning)
+        for _ in range(3):
+            assert same_bits(model(x), Toy.forward(model, x))
+    assert runner.backend.captures == 1 and runner.counts["replays"] == 3 and runner.counts["eager"] == 0
 
 
 # ---------------------------------------------------------------- bench/graphs.py

@@ -143,3 +143,37 @@ def test_diffusers_group_offloading(name, setup):
                 assert counts["captures"] == 0 and counts["capture_failures"] == 0 and counts["eager"] == 4
         finally:
             handle.restore()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs_on", [False, True], ids=["cuda", "cuda-graphs"])
+@pytest.mark.parametrize("name", ["sana", "flux"])
+def test_model_cpu_offload(name, graphs_on):
+    """accelerate's model CPU offload (what a pipeline's `enable_model_cpu_offload` sets):
+    its hook brings the whole model onto the GPU before the forward and leaves it there
+    until the next model of the pipeline runs. With graphs, set before accelerate (the
+    runner then calls the hook's forward), the warm-up brings the model over and the
+    capture reads it there; after an offload the next call captures again. Stock bits."""
+    accelerate_hooks = pytest.importorskip("accelerate.hooks")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    C = importlib.import_module(f"bitfuse.models.{name}_configs")
+    model = C.build_model(C.tiny_config(), device="cuda", dtype=torch.bfloat16)
+    kwargs = C.make_inputs(model, **TINY_INPUTS[name])
+    ref = _outputs(model, kwargs)
+    model.to("cpu")
+    model, hook = accelerate_hooks.cpu_offload_with_hook(model, execution_device="cuda")
+    handle = bitfuse.accelerate(model, **(dict(cuda_graphs=True, warmup=1) if graphs_on else {}))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", graphs.GraphCaptureWarning)  # (the move after the offload)
+            for cycle in range(2):
+                for _ in range(3):
+                    assert_all_same(_outputs(model, kwargs), ref)
+                hook.offload()  # the pipeline's next model runs: this one back to the CPU
+                assert next(model.parameters()).device.type == "cpu"
+        if graphs_on:
+            counts = handle.graphs.counts
+            assert counts["captures"] >= 1 and counts["replays"] >= 4 and counts["eager"] == 0, counts
+    finally:
+        handle.restore()
