@@ -1045,11 +1045,7 @@ class GraphRunner:
             except _WarmupError as exc:
                 raise exc.__cause__ from None  # the function's own error: it would happen eagerly too
             except _OffDevice as exc:
-                self._release(entry)
-                self._eager[key] = _Eager(key, str(exc))
-                self._warn_once(("off device", str(exc)), f"{exc}; calling {self.name} eagerly")
-                self.counts["eager"] += 1
-                return self._eager_call(values, args, kwargs)
+                return self._off_device(entry, exc, args, kwargs)
             except Exception as exc:
                 return self._capture_failed(entry, exc, args, kwargs)
             self._graphs[key] = entry
@@ -1109,6 +1105,16 @@ class GraphRunner:
         self.counts["replays"] += 1
         return self._outputs(path)
 
+    def _off_device(self, entry: _Entry, exc: _OffDevice, args, kwargs):
+        """The warm-up left watched tensors off the device: no capture, this signature
+        runs eagerly from now on (one warning per distinct reason)."""
+        self._graphs.pop(entry.key, None)
+        self._release(entry)
+        self._eager[entry.key] = _Eager(entry.key, str(exc))
+        self._warn_once(("off device", str(exc)), f"{exc}; calling {self.name} eagerly")
+        self.counts["eager"] += 1
+        return self._eager_call(entry.hoisted, args, kwargs)
+
     def _capture_failed(self, entry: _Entry, exc: BaseException, args, kwargs):
         text = _exception_text(exc)
         self.counts["capture_failures"] += 1
@@ -1147,6 +1153,8 @@ class GraphRunner:
                     return self._capture_path(entry, tensors)
                 except _WarmupError as exc:
                     raise exc.__cause__ from None
+                except _OffDevice as exc:
+                    return self._off_device(entry, exc, args, kwargs)
                 except Exception as exc:
                     return self._capture_failed(entry, exc, args, kwargs)
         self.counts["eager"] += 1
