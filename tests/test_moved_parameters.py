@@ -154,7 +154,7 @@ def test_model_cpu_offload(name, graphs_on):
     until the next model of the pipeline runs. With graphs, set before accelerate (the
     runner then calls the hook's forward), the warm-up brings the model over and the
     capture reads it there; after an offload the next call captures again. Stock bits."""
-    accelerate_hooks = pytest.importorskip("accelerate.hooks")
+    accelerate = pytest.importorskip("accelerate")
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     C = importlib.import_module(f"bitfuse.models.{name}_configs")
@@ -162,7 +162,7 @@ def test_model_cpu_offload(name, graphs_on):
     kwargs = C.make_inputs(model, **TINY_INPUTS[name])
     ref = _outputs(model, kwargs)
     model.to("cpu")
-    model, hook = accelerate_hooks.cpu_offload_with_hook(model, execution_device="cuda")
+    model, hook = accelerate.cpu_offload_with_hook(model, execution_device="cuda")
     handle = bitfuse.accelerate(model, **(dict(cuda_graphs=True, warmup=1) if graphs_on else {}))
     try:
         with warnings.catch_warnings():
