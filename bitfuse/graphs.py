@@ -61,6 +61,7 @@ import dataclasses
 import enum
 import functools
 import gc
+import sys
 import threading
 import time
 import types
@@ -90,6 +91,7 @@ __all__ = [
     "wrap_model_for_graphs",
     "unwrap_model_for_graphs",
     "model_tensors",
+    "AdapterState",
     "graph_runner_of",
 ]
 
@@ -839,6 +841,53 @@ def model_tensors(model: torch.nn.Module) -> list:
     return [*model.parameters(), *model.buffers()]
 
 
+def _tuner_layer_class():
+    """PEFT's base class of adapter layers, if PEFT is imported (no layer exists otherwise)."""
+    if "peft" not in sys.modules:
+        return None
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except Exception:  # (another PEFT layout: no layers to find)
+        return None
+    return BaseTunerLayer
+
+
+def _adapter_layer_state(layer) -> tuple:
+    """What a PEFT adapter layer's forward reads besides tensors: whether its adapters are
+    disabled, the active and the merged ones, and each adapter's scale (LoRA's
+    `scaling`; the rest of an adapter's configuration is its modules, registered)."""
+    d = layer.__dict__  # (plain attributes: nn.Module's __getattr__ is slow for hundreds of layers)
+    active, scaling = d.get("_active_adapter"), d.get("scaling")
+    return (d.get("_disable_adapters"), active if active.__class__ is str else tuple(active or ()),
+            tuple(d.get("merged_adapters", ())), tuple(scaling.items()) if scaling.__class__ is dict else None)
+
+
+class AdapterState:
+    """`() -> hashable`: the Python state of `model`'s PEFT adapter layers (LoRA via
+    diffusers' `add_adapter`/`load_lora_adapter`), for a runner's `context`. A graph
+    bakes in what the layers' forwards read on the host: the active adapters and their
+    scales (`set_adapters(..., weights=...)`), `disable_adapters()`, merged adapters
+    (`fuse_lora`). Keyed by this, a change is a new signature (captured anew), not a
+    replay of the old. The layers are found again after any module, parameter or buffer
+    registration in the process (adapters added or deleted register modules); a model
+    without adapters gives () for the cost of that check."""
+
+    __slots__ = ("model", "registrations", "layers")
+
+    def __init__(self, model: torch.nn.Module):
+        _count_registrations()
+        self.model = model
+        self.registrations = -1
+        self.layers: tuple = ()
+
+    def __call__(self) -> tuple:
+        if self.registrations != _registrations[0]:
+            cls = _tuner_layer_class()
+            self.layers = () if cls is None else tuple(m for m in self.model.modules() if isinstance(m, cls))
+            self.registrations = _registrations[0]
+        return tuple(_adapter_layer_state(m) for m in self.layers) if self.layers else ()
+
+
 class _Watched:
     """The tensors a runner's `watch` gave when its live graphs were captured, and
     their addresses then."""
@@ -1323,7 +1372,8 @@ def wrap_model_for_graphs(model: torch.nn.Module, **options) -> GraphRunner:
     """Route `model.forward` (instance level) through a new GraphRunner; returns it.
 
     options: GraphRunner's; `watch` defaults to the model's parameters and buffers
-    (`model_tensors`). What the model needs (a `prepare`, a `hoist`, its
+    (`model_tensors`), and the `context` given is joined by the model's adapter state
+    (`AdapterState`: PEFT's LoRA scales and switches). What the model needs (a `prepare`, a `hoist`, its
     mounted tiers as `context`) comes from its integration: `handle.enable_graphs()`
     (or `accelerate(cuda_graphs=True)`) passes them. The wrapper keeps the forward's
     signature (pipelines inspect it). `runner.restore()` puts the previous forward
@@ -1334,6 +1384,8 @@ def wrap_model_for_graphs(model: torch.nn.Module, **options) -> GraphRunner:
     previous = model.__dict__.get("forward", _UNSET)  # e.g. the forward accelerate() installed
     options.setdefault("name", f"{type(model).__name__}.forward")
     options.setdefault("watch", functools.partial(model_tensors, model))  # its graphs read them in place
+    adapters, context = AdapterState(model), options.get("context")  # the LoRA scales a graph would bake in
+    options["context"] = adapters if context is None else (lambda: (context(), adapters()))
     runner = GraphRunner(model.forward, **options)
 
     @functools.wraps(runner.fn)
