@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import inspect
 import warnings
 
 import pytest
@@ -71,10 +72,10 @@ def test_lora_on_an_accelerated_model_is_stock(name, order, setup):
         if not cuda:
             options["backend"] = graphs.EmulatedGraphBackend()
 
-    def check(*, adapter_free: bool = False) -> None:
+    def check(*, adapter_free: bool = False, call: dict = kwargs) -> None:
         for _ in range(2):  # (with graphs: the capture, then a replay)
-            out = _outputs(model, kwargs)
-            assert_all_same(out, _outputs(stock, kwargs))
+            out = _outputs(model, call)
+            assert_all_same(out, _outputs(stock, call))
             changed = any(not same_bits(o, b) for o, b in zip(out, base))
             assert changed is not adapter_free, "the adapters did not change the output" if not adapter_free \
                 else "disabled adapters changed the output"
@@ -95,6 +96,13 @@ def test_lora_on_an_accelerated_model_is_stock(name, order, setup):
             for m in (model, stock):
                 m.set_adapters(["a", "b"], weights=[1.0, -0.25])  # new scales, the same modules
             check()
+            # a per-call LoRA scale (diffusers' `apply_lora_scale`: the layers scaled for the call)
+            params = inspect.signature(type(model).forward).parameters
+            for key in ("joint_attention_kwargs", "attention_kwargs"):
+                if key in params:
+                    for scale in (0.3, 0.6):  # (with graphs: another value, another graph)
+                        check(call={**kwargs, key: {"scale": scale}})
+                    break
             for m in (model, stock):
                 m.disable_adapters()
             check(adapter_free=True)
