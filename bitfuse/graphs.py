@@ -1006,6 +1006,7 @@ class GraphRunner:
         self._graphs: collections.OrderedDict[tuple, _Entry] = collections.OrderedDict()
         self._eager: dict[tuple, _Eager] = {}
         self._warned: set = set()
+        self._unused = 0  # graphs evicted in a row that were never replayed
         self._lock = threading.RLock()
         self.counts = collections.Counter()
 
@@ -1240,11 +1241,21 @@ class GraphRunner:
         leaves = path.out_leaves if self.reuse_outputs else [t.clone() for t in path.out_leaves]
         return _out_build(path.out_spec, iter(leaves))
 
+    #: graphs evicted in a row without a replay after which the runner warns (once)
+    UNUSED_EVICTIONS = 4
+
     def _evict(self) -> None:
         while len(self._graphs) > self.max_graphs:
             _, old = self._graphs.popitem(last=False)
             self._release(old)
             self.counts["evictions"] += 1
+            self._unused = self._unused + 1 if old.hits == 0 else 0
+            if self._unused >= self.UNUSED_EVICTIONS:
+                self._warn_once("unused", (
+                    f"{self._unused} graphs of {self.name} in a row were released without a replay: its calls "
+                    "rarely repeat a signature (inputs of new shapes, a value in the arguments, or adapter scales "
+                    "that change from call to call), so each call pays a warm-up and a capture; "
+                    f"the last signature released: {describe_signature(old.key)}"))
 
     def _release_path(self, path: _Path) -> None:
         for step in path.steps:

@@ -354,6 +354,31 @@ def test_evicted_graph_drops_its_buffers():
     assert runner.backend.released == 1
 
 
+def test_graphs_released_without_a_replay_are_announced_once():
+    """Calls that never repeat a signature (here a new length each time) pay a capture
+    each and replay none: after UNUSED_EVICTIONS such evictions in a row, one warning."""
+    runner = runner_of(lambda x: x * 2, max_graphs=2, warmup=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", graphs.GraphCaptureWarning)
+        for n in range(1, 2 + runner.UNUSED_EVICTIONS):  # 2 kept, UNUSED_EVICTIONS - 1 evicted
+            runner(torch.zeros(n))
+    with pytest.warns(graphs.GraphCaptureWarning, match="released without a replay") as caught:
+        for n in range(2 + runner.UNUSED_EVICTIONS, 12):
+            assert same_bits(runner(torch.ones(n)), torch.full((n,), 2.0))
+    assert len(caught) == 1 and runner.counts["evictions"] == 12 - 3
+
+
+def test_graphs_replayed_before_release_are_not_announced():
+    """The same number of evictions, each graph replayed first: no warning."""
+    runner = runner_of(lambda x: x * 2, max_graphs=2, warmup=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", graphs.GraphCaptureWarning)
+        for n in range(1, 12):
+            runner(torch.zeros(n))
+            runner(torch.zeros(n))
+    assert runner.counts["evictions"] == 12 - 3 and runner.counts["replays"] == 2 * 11
+
+
 def test_max_graphs_must_be_positive():
     with pytest.raises(ValueError):
         GraphRunner(lambda x: x, max_graphs=0)
