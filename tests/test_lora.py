@@ -49,9 +49,6 @@ def _add(models, name: str, seed: int) -> None:
             warnings.simplefilter("ignore")
             m.add_adapter(peft.LoraConfig(r=4, lora_alpha=4, target_modules=_TARGETS, init_lora_weights=False),
                           adapter_name=name)
-        for module in m.modules():  # bf16 on the GPU like the model (PEFT keeps its layers in fp32 there)
-            if isinstance(module, peft.tuners.lora.LoraLayer):
-                module.to(next(m.parameters()).dtype)
 
 
 @pytest.mark.parametrize("setup", ["cpu", "cpu-graphs", pytest.param("cuda", marks=pytest.mark.gpu),
