@@ -1155,30 +1155,30 @@ class GraphRunner:
         self.counts["replays"] += 1
         return self._outputs(path)
 
-    def _off_device(self, entry: _Entry, exc: _OffDevice, args, kwargs):
-        """The warm-up left watched tensors off the device: no capture, this signature
-        runs eagerly from now on (one warning per distinct reason)."""
+    def _eager_from_now(self, entry: _Entry, reason: str, args, kwargs):
+        """Release `entry`'s graphs; its signature runs eagerly from now on (this call too)."""
         self._graphs.pop(entry.key, None)
         self._release(entry)
-        self._eager[entry.key] = _Eager(entry.key, str(exc))
-        self._warn_once(("off device", str(exc)), f"{exc}; calling {self.name} eagerly")
+        self._eager[entry.key] = _Eager(entry.key, reason)
         self.counts["eager"] += 1
         return self._eager_call(entry.hoisted, args, kwargs)
+
+    def _off_device(self, entry: _Entry, exc: _OffDevice, args, kwargs):
+        """The warm-up left watched tensors off the device: no capture (one warning per
+        distinct reason)."""
+        self._warn_once(("off device", str(exc)), f"{exc}; calling {self.name} eagerly")
+        return self._eager_from_now(entry, str(exc), args, kwargs)
 
     def _capture_failed(self, entry: _Entry, exc: BaseException, args, kwargs):
         text = _exception_text(exc)
         self.counts["capture_failures"] += 1
-        self._graphs.pop(entry.key, None)
-        self._release(entry)
-        self._eager[entry.key] = _Eager(entry.key, f"capture failed: {text}")
         warnings.warn(
             f"bitfuse.graphs: CUDA-graph capture of {self.name} failed for {describe_signature(entry.key)}: {text}; "
             "this signature runs eagerly from now on",
             GraphCaptureWarning,
             stacklevel=4,
         )
-        self.counts["eager"] += 1
-        return self._eager_call(entry.hoisted, args, kwargs)
+        return self._eager_from_now(entry, f"capture failed: {text}", args, kwargs)
 
     def _replay(self, entry: _Entry, tensors, args, kwargs):
         observed: tuple = ()
@@ -1384,8 +1384,8 @@ def wrap_model_for_graphs(model: torch.nn.Module, **options) -> GraphRunner:
 
     options: GraphRunner's; `watch` defaults to the model's parameters and buffers
     (`model_tensors`), and the `context` given is joined by the model's adapter state
-    (`AdapterState`: PEFT's LoRA scales and switches). What the model needs (a `prepare`, a `hoist`, its
-    mounted tiers as `context`) comes from its integration: `handle.enable_graphs()`
+    (`AdapterState`: PEFT's LoRA scales and switches). What the model needs (a
+    `prepare`, a `hoist`, its mounted tiers as `context`) comes from its integration: `handle.enable_graphs()`
     (or `accelerate(cuda_graphs=True)`) passes them. The wrapper keeps the forward's
     signature (pipelines inspect it). `runner.restore()` puts the previous forward
     back and releases the graphs; wrapping again replaces the runner."""

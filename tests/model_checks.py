@@ -21,6 +21,13 @@ def run(model, kwargs: dict):
         return model(**kwargs)
 
 
+def outputs(model, kwargs: dict) -> tuple:
+    """Every tensor `model(**kwargs)` returns, without autograd, as a tuple (LTX-2: video
+    and audio; a diffusers output object: its `.sample`)."""
+    out = run(model, kwargs)
+    return tuple(out) if isinstance(out, (tuple, list)) else (out.sample,)
+
+
 def assert_same(out, ref) -> None:
     """`out` and `ref` are the 1-tuples a diffusers model returns with return_dict=False
     (or `(output.sample,)`); their tensors must be bitwise equal (`same_bits`: signed

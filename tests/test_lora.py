@@ -28,17 +28,11 @@ peft = pytest.importorskip("peft")
 import bitfuse  # noqa: E402
 from bitfuse import graphs  # noqa: E402
 from bitfuse.numerics import same_bits  # noqa: E402
-from model_checks import TINY_INPUTS, assert_all_same, is_stock  # noqa: E402
+from model_checks import TINY_INPUTS, assert_all_same, is_stock, outputs  # noqa: E402
 
 # the attention projections every integration has, and the output projections
 # (FLUX's single blocks, every model's last layer)
 _TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_out"]
-
-
-def _outputs(model, kwargs) -> tuple:
-    with torch.no_grad():
-        out = model(**kwargs)
-    return tuple(out) if isinstance(out, (tuple, list)) else (out.sample,)
 
 
 def _add(models, name: str, seed: int) -> None:
@@ -62,7 +56,7 @@ def test_lora_on_an_accelerated_model_is_stock(name, order, setup):
         else C.build_model(C.tiny_config())
     stock, plain = copy.deepcopy(model), copy.deepcopy(model)  # plain: no adapter
     kwargs = C.make_inputs(model, **TINY_INPUTS[name])
-    base = _outputs(plain, kwargs)
+    base = outputs(plain, kwargs)
     options = {}
     if setup.endswith("graphs"):
         options = dict(cuda_graphs=True, warmup=1)
@@ -71,8 +65,8 @@ def test_lora_on_an_accelerated_model_is_stock(name, order, setup):
 
     def check(*, adapter_free: bool = False, call: dict = kwargs) -> None:
         for _ in range(2):  # (with graphs: the capture, then a replay)
-            out = _outputs(model, call)
-            assert_all_same(out, _outputs(stock, call))
+            out = outputs(model, call)
+            assert_all_same(out, outputs(stock, call))
             changed = any(not same_bits(o, b) for o, b in zip(out, base))
             assert changed is not adapter_free, "the adapters did not change the output" if not adapter_free \
                 else "disabled adapters changed the output"
@@ -119,4 +113,4 @@ def test_lora_on_an_accelerated_model_is_stock(name, order, setup):
     finally:
         handle.restore()
     assert is_stock(model)
-    assert_all_same(_outputs(model, kwargs), _outputs(stock, kwargs))
+    assert_all_same(outputs(model, kwargs), outputs(stock, kwargs))

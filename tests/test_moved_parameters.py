@@ -24,13 +24,7 @@ pytest.importorskip("diffusers")
 
 import bitfuse  # noqa: E402
 from bitfuse import graphs  # noqa: E402
-from model_checks import TINY_INPUTS, assert_all_same, is_stock  # noqa: E402
-
-
-def _outputs(model, kwargs) -> tuple:
-    with torch.no_grad():
-        out = model(**kwargs)
-    return tuple(out) if isinstance(out, (tuple, list)) else (out.sample,)
+from model_checks import TINY_INPUTS, assert_all_same, is_stock, outputs  # noqa: E402
 
 
 def _first_block_linear(model) -> str:
@@ -74,8 +68,8 @@ def test_parameters_that_move_between_calls(name, setup):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", graphs.GraphCaptureWarning)  # (moves are announced)
-            assert_all_same(_outputs(model, kwargs), _outputs(stock, kwargs))
-            assert_all_same(_outputs(model, kwargs), _outputs(stock, kwargs))
+            assert_all_same(outputs(model, kwargs), outputs(stock, kwargs))
+            assert_all_same(outputs(model, kwargs), outputs(stock, kwargs))
             # an offload cycle: every parameter in new memory, the same values
             if cuda:
                 model.to("cpu")
@@ -83,20 +77,20 @@ def test_parameters_that_move_between_calls(name, setup):
             else:
                 for p in model.parameters():
                     p.data = p.data.clone()
-            assert_all_same(_outputs(model, kwargs), _outputs(stock, kwargs))
+            assert_all_same(outputs(model, kwargs), outputs(stock, kwargs))
             # weights replaced by others (new memory, new values), in both models
             for m in (model, stock):
                 lin = m.get_submodule(target)
                 lin.weight.data = lin.weight.data * 1.5
-            assert_all_same(_outputs(model, kwargs), _outputs(stock, kwargs))
+            assert_all_same(outputs(model, kwargs), outputs(stock, kwargs))
             # a module replaced, as LoRA layers are injected
             old = model.get_submodule(target)
             weight = torch.randn(old.weight.shape, generator=gen).to(old.weight) * old.weight.float().std()
             bias = None if old.bias is None else torch.randn(old.bias.shape, generator=gen).to(old.bias) * 0.1
             for m in (model, stock):
                 _replace_linear(m, target, weight, bias)
-            assert_all_same(_outputs(model, kwargs), _outputs(stock, kwargs))
-            assert_all_same(_outputs(model, kwargs), _outputs(stock, kwargs))
+            assert_all_same(outputs(model, kwargs), outputs(stock, kwargs))
+            assert_all_same(outputs(model, kwargs), outputs(stock, kwargs))
             if setup.endswith("graphs"):
                 # the weights and the module replaced are moves; the offload cycle is one unless
                 # the allocator gave every parameter its old address back (then the graphs
@@ -106,7 +100,7 @@ def test_parameters_that_move_between_calls(name, setup):
     finally:
         handle.restore()
     assert is_stock(model)
-    assert_all_same(_outputs(model, kwargs), _outputs(stock, kwargs))
+    assert_all_same(outputs(model, kwargs), outputs(stock, kwargs))
 
 
 @pytest.mark.parametrize("setup", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu),
@@ -126,7 +120,7 @@ def test_diffusers_group_offloading(name, setup):
         model = C.build_model(C.tiny_config(), device="cuda", dtype=torch.bfloat16) if cuda \
             else C.build_model(C.tiny_config())
         kwargs = C.make_inputs(model, **TINY_INPUTS[name])
-        ref = _outputs(model, kwargs)
+        ref = outputs(model, kwargs)
         offload = dict(onload_device=device, offload_device=torch.device("cpu"))
         if order == "offload first":
             model.enable_group_offload(**offload, offload_type="block_level", num_blocks_per_group=1)
@@ -137,7 +131,7 @@ def test_diffusers_group_offloading(name, setup):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", graphs.GraphCaptureWarning)
                 for _ in range(4):
-                    assert_all_same(_outputs(model, kwargs), ref)
+                    assert_all_same(outputs(model, kwargs), ref)
             if setup == "cuda-graphs":
                 counts = handle.graphs.counts
                 assert counts["captures"] == 0 and counts["capture_failures"] == 0 and counts["eager"] == 4
@@ -155,12 +149,10 @@ def test_model_cpu_offload(name, graphs_on):
     runner then calls the hook's forward), the warm-up brings the model over and the
     capture reads it there; after an offload the next call captures again. Stock bits."""
     accelerate = pytest.importorskip("accelerate")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a GPU")
     C = importlib.import_module(f"bitfuse.models.{name}_configs")
     model = C.build_model(C.tiny_config(), device="cuda", dtype=torch.bfloat16)
     kwargs = C.make_inputs(model, **TINY_INPUTS[name])
-    ref = _outputs(model, kwargs)
+    ref = outputs(model, kwargs)
     model.to("cpu")
     model, hook = accelerate.cpu_offload_with_hook(model, execution_device="cuda")
     handle = bitfuse.accelerate(model, **(dict(cuda_graphs=True, warmup=1) if graphs_on else {}))
@@ -169,7 +161,7 @@ def test_model_cpu_offload(name, graphs_on):
             warnings.simplefilter("ignore", graphs.GraphCaptureWarning)  # (the move after the offload)
             for cycle in range(2):
                 for _ in range(3):
-                    assert_all_same(_outputs(model, kwargs), ref)
+                    assert_all_same(outputs(model, kwargs), ref)
                 hook.offload()  # the pipeline's next model runs: this one back to the CPU
                 assert next(model.parameters()).device.type == "cpu"
         if graphs_on:
