@@ -106,6 +106,21 @@ def test_gate_keys():
     hash(p.key)
 
 
+
+@pytest.mark.parametrize("family, D, warps", [("", 4096, 4), ("H100", 4096, 8), ("H100", 3072, 8), ("H100", 2048, 4),
+                                              ("H100", 5120, 4), ("", 2240, 4)])
+def test_layer_norm_high_warps_by_device_family(monkeypatch, family, D, warps):
+    """The LayerNorm high kernel's warps per device family (the H100's slower memory
+    hides its float64 arithmetic on 8 warps at 4096 columns; the H200 wants 4); a
+    16-bit row, one a program."""
+    monkeypatch.setattr(LN, "device_family", lambda device: family)
+    x = torch.randn(2, 8, D, dtype=torch.bfloat16)
+    plan = _reason("ln", x, torch.randn(2, 1, D, dtype=torch.bfloat16), torch.randn(D, dtype=torch.bfloat16),
+                   exact=False)
+    recipe = LN._recipe_of(plan)
+    assert recipe.num_warps == warps and recipe.grid == (8, 2, 1)
+
+
 # ---------------------------------------------------------------- emulations of aten's orders (plain torch, fp32)
 
 

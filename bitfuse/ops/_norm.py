@@ -5,6 +5,8 @@ yardstick of the high tier."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ._launch import HAS_TRITON, jit, next_pow2, tl
@@ -91,6 +93,16 @@ def dummy_stats(x):
     if d is None:
         d = _DUMMY[x.get_device()] = torch.empty(2, dtype=torch.float32, device=x.device)
     return d
+
+
+@functools.lru_cache(maxsize=None)
+def device_family(device: int) -> str:
+    """What a per-device launch table is keyed by: "H100" for an H100 (HBM at 2.0-3.9
+    TB/s, where a kernel's arithmetic hides under its memory time), else "" (the tables'
+    defaults were measured on the H200, 4.8 TB/s). -1: the CPU (the interpreter)."""
+    if device < 0:
+        return ""
+    return "H100" if "H100" in torch.cuda.get_device_name(device) else ""
 
 
 def high_launch_shape(block_d: int, S: int, elem_bytes: int, warps: dict) -> tuple[int, int]:
