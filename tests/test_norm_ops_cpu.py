@@ -107,7 +107,7 @@ def test_gate_keys():
 
 
 
-@pytest.mark.parametrize("family, D, warps", [("", 4096, 4), ("H100", 4096, 8), ("H100", 3072, 8), ("H100", 2048, 4),
+@pytest.mark.parametrize("family, D, warps", [("", 4096, 4), ("H100", 4096, 8), ("H100", 3072, 4), ("H100", 2048, 4),
                                               ("H100", 5120, 4), ("", 2240, 4)])
 def test_layer_norm_high_warps_by_device_family(monkeypatch, family, D, warps):
     """The LayerNorm high kernel's warps per device family (the H100's slower memory
