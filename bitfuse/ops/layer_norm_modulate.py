@@ -476,10 +476,11 @@ _EXACT_SHAPES = {(4096, True): (2, 8), (3072, False): (1, 4)}
 #: warps a 16-bit row of the high kernel takes, by padded width: 4 for 4096 columns (the
 #: float64 reduction's shuffles; H200, 6144 x 4096 per-sample: 86.8% of the copy
 #: ceiling on 4 warps, 78.8% on 8; bench/NOTES.md, 2026-12-03 tenth session); on the
-#: H100, whose slower memory hides the float64 arithmetic, 8 at 4096 columns (0.5-1.3
-#: points ahead of 4 in each of seven runs over four sessions; twenty-fifth session)
+#: H100, whose slower memory hides the float64 arithmetic, 8 for rows of exactly 4096
+#: columns (0.5-1.3 points ahead of 4 in each of nine runs over four sessions; a row of
+#: 3072 padded to 4096 loses 5.5 on 8; twenty-fifth session)
 _HIGH_WARPS = {2048: 4, 4096: 4, 8192: 4}
-_HIGH_WARPS_BY_FAMILY = {"H100": {4096: 8}}  # rows of exactly that width (3072 padded to 4096: 8 warps lose)
+_HIGH_WARPS_BY_FAMILY = {"H100": {**_HIGH_WARPS, 4096: 8}}
 
 
 def _recipe_of(plan, config=None, stats=None) -> Recipe:
@@ -499,8 +500,9 @@ def _recipe_of(plan, config=None, stats=None) -> Recipe:
             num_warps,
         )
     block_d = next_pow2(r.D)
-    warps = _HIGH_WARPS_BY_FAMILY.get(device_family(plan.x.get_device()), {}) if block_d == r.D else {}
-    R, num_warps = config or high_launch_shape(block_d, r.S, plan.x.element_size(), {**_HIGH_WARPS, **warps})
+    warps = _HIGH_WARPS_BY_FAMILY.get(device_family(plan.x.get_device()), _HIGH_WARPS) if block_d == r.D else (
+        _HIGH_WARPS)
+    R, num_warps = config or high_launch_shape(block_d, r.S, plan.x.element_size(), warps)
     ct, ht = plan.scale_table, plan.shift_table
     return Recipe((cdiv(r.S, R), r.B),
                   (r.S, r.D, r.sb, r.ss, *plan.c_strides, *plan.h_strides, 0 if ct is None else ct.stride(0),
