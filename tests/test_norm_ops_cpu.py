@@ -106,7 +106,6 @@ def test_gate_keys():
     hash(p.key)
 
 
-
 @pytest.mark.parametrize("family, D, warps", [("", 4096, 4), ("H100", 4096, 8), ("H100", 3072, 4), ("H100", 2048, 4),
                                               ("H100", 5120, 4), ("", 2240, 4)])
 def test_layer_norm_high_warps_by_device_family(monkeypatch, family, D, warps):

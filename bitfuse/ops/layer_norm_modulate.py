@@ -500,8 +500,8 @@ def _recipe_of(plan, config=None, stats=None) -> Recipe:
             num_warps,
         )
     block_d = next_pow2(r.D)
-    warps = _HIGH_WARPS_BY_FAMILY.get(device_family(plan.x.get_device()), _HIGH_WARPS) if block_d == r.D else (
-        _HIGH_WARPS)
+    family = device_family(plan.x.get_device()) if block_d == r.D else ""  # padded rows: the default table
+    warps = _HIGH_WARPS_BY_FAMILY.get(family, _HIGH_WARPS)
     R, num_warps = config or high_launch_shape(block_d, r.S, plan.x.element_size(), warps)
     ct, ht = plan.scale_table, plan.shift_table
     return Recipe((cdiv(r.S, R), r.B),
