@@ -454,3 +454,40 @@ def test_layer_norm_high_mean_holds_a_large_offset():
     out = _launch("ln", x, c, h, False)
     err = (out.double() - modulated64(layer_norm64(x, EPS), c, h)).abs().max().item()
     assert err < 1e-5, err
+
+
+@interpreter
+@pytest.mark.parametrize("D,tile", [(1536, 512), (3072, 1024), (2560, 512)])
+@pytest.mark.parametrize("layout", LAYOUTS + ["folded"])
+def test_layer_norm_high_rows_as_equal_tiles(D, tile, layout):
+    """A row of 3 or 5 equal power-of-two tiles runs as those tiles, unmasked (no padded
+    lanes): the padded launch's bits (rows of bf16 values in fp32, whose float64 sums
+    are exact in any order), into a NaN-poisoned output, on every parameter layout."""
+    g = torch.Generator().manual_seed(D + len(layout))
+    B, S = 2, 3
+    x = torch.randn(B, S, D, generator=g).bfloat16().float()
+    x[1, 2] += 300.0  # a row far from zero: the two-term mean
+    if layout == "folded":
+        table, t4 = torch.randn(6, D, generator=g), torch.randn(B, 1, 6, D, generator=g)
+        c, h = Folded(table[1], t4[:, :, 1]), Folded(table[0], t4[:, :, 0])
+    else:
+        c, h = _params(layout, B, S, D, g)
+    plan = _plan("ln", x, c, h, exact=False)
+    assert LN.high_tiles(D) == (tile, D // tile)
+    assert LN._recipe_of(plan).consts[1:3] == (tile, D // tile)
+    tiled = torch.full_like(x, float("nan"))
+    LN.launch_layer_norm_modulate(plan, out=tiled)
+    padded = LN.launch_layer_norm_modulate(plan, config=(1, 4, 1 << (D - 1).bit_length()))
+    assert same_bits(tiled, padded)
+    from bitfuse.ops._norm import layer_norm64, modulated64
+
+    want = modulated64(layer_norm64(x, EPS), c, h)
+    torch.testing.assert_close(tiled.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("D,tiles", [(4096, (4096, 1)), (3072, (1024, 3)), (5120, (1024, 5)), (1536, (512, 3)),
+                                     (6144, (2048, 3)), (14336, (2048, 7)), (2240, (4096, 1)), (768, (1024, 1)),
+                                     (1000, (1024, 1)), (9216, (16384, 1))])
+def test_high_tiles(D, tiles):
+    """3, 5 or 7 tiles of a power of two >= 512; anything else one padded tile."""
+    assert LN.high_tiles(D) == tiles
