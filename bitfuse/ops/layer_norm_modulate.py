@@ -46,7 +46,10 @@ HIGH TIER (bf16/fp16): one pass, x read once; the row's sum and sum of squares
 in float64, in one reduction (`moments`: the mean as two fp32 terms, the variance
 without overflow), x - mean in fp32, then n * (1 + scale) + shift in fp32, rounded
 once: within 0.5 ULP of the float64 value at the scale of the modulate's terms (see
-rms_norm_modulate).
+rms_norm_modulate). A 16-bit row of 3, 5 or 7 equal power-of-two tiles (3072 =
+3 x 1024, 5120 = 5 x 1024, 6144 = 3 x 2048) is held as those tiles, unmasked, their
+float64 terms added elementwise before the one reduction (`high_tiles`): a row
+padded to the next power of two spends the float64 work on its padded lanes too.
 
 Shapes: x [B, S, D] or [N, D] with a contiguous last dimension; scale, shift as
 for modulate (tensors broadcasting to x, or Folded: a [D] table row plus a temb

@@ -183,12 +183,13 @@ def norm64(kind, x):
 
 
 @pytest.mark.parametrize("data", ["randn", "outlier"])
-@pytest.mark.parametrize("D", [2048, 3072, 4096, 5120])
+@pytest.mark.parametrize("D", [1536, 2048, 3072, 4096, 5120, 6144])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("kind", KINDS)
 def test_high_keeps_the_float64_contract(kind, dtype, D, data):
     """The one-pass kernel against the float64 value of the same expression: every
-    element within one ULP at the terms' scale, mean error below eager's."""
+    element within one ULP at the terms' scale, mean error below eager's (LayerNorm
+    at 1536, 3072, 5120 and 6144: rows held as 3 or 5 equal tiles)."""
     g = torch.Generator(device="cuda").manual_seed(D + len(data))
     B, S = 2, 1031
     x = torch.randn(B, S, D, generator=g, device="cuda")
@@ -211,8 +212,9 @@ def test_high_keeps_the_float64_contract(kind, dtype, D, data):
     assert float(err.max()) <= 0.51 and float(err.mean()) < float(eager_err.mean())
 
 
+@pytest.mark.parametrize("D", [4096, 3072])
 @pytest.mark.parametrize("kind", KINDS)
-def test_high_site_on_rows_of_every_kind(kind):
+def test_high_site_on_rows_of_every_kind(kind, D):
     """Rows of every kind (constant, tiny variance, huge): through the site the high tier
     keeps its contract or the gate falls back to the lossless path; never worse."""
     import warnings
@@ -221,14 +223,14 @@ def test_high_site_on_rows_of_every_kind(kind):
     from bitfuse import policy, sites
 
     g = torch.Generator(device="cuda").manual_seed(9)
-    x = rows(2, 257, 4096, torch.bfloat16, g)
-    c, h = params("per-sample/strided", 2, 257, 4096, torch.bfloat16, g)
-    module = torch.nn.LayerNorm(4096, eps=EPS, elementwise_affine=False) if kind == "layer_norm" else (
-        torch.nn.RMSNorm(4096, eps=EPS, elementwise_affine=False))
+    x = rows(2, 257, D, torch.bfloat16, g)
+    c, h = params("per-sample/strided", 2, 257, D, torch.bfloat16, g)
+    module = torch.nn.LayerNorm(D, eps=EPS, elementwise_affine=False) if kind == "layer_norm" else (
+        torch.nn.RMSNorm(D, eps=EPS, elementwise_affine=False))
     if kind == "diffusers":
         from diffusers.models.normalization import RMSNorm
 
-        module = RMSNorm(4096, eps=EPS, elementwise_affine=False)
+        module = RMSNorm(D, eps=EPS, elementwise_affine=False)
     site = sites.layer_norm_modulate_site if kind == "layer_norm" else sites.rms_norm_modulate_site
     with bitfuse.quality("high"), torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", policy.FallbackWarning)
