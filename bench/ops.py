@@ -5,6 +5,7 @@ parameter layout it declares, against eager, torch.compile and torch.compile wit
     python -m bench.ops                # every op x layout at 1 x 6144 x 4096 bf16 (~3-4 min)
     python -m bench.ops --quick        # each op's first layout only (~1 min)
     python -m bench.ops --sweep        # + D in {2048, 4096} x S in {1024, 6144, 24576} for the first two layouts
+    python -m bench.ops --widths 3072,5120   # + the first layout at model widths, as many bytes as the main shape
     python -m bench.ops --ops modulate,gated_residual --budget 170
 
 Operands come from each spec's `make_args(cases.Case(...))` (randn draws). Variants:
@@ -65,17 +66,20 @@ def variants(spec) -> list[str]:
     return ["eager", "torch.compile", "compile+emulate", CONTROL] + [f"bitfuse {t}" for t in spec.tiers]
 
 
-def plan_cases(specs, quick: bool = False, sweep: bool = False) -> list[tuple]:
+def plan_cases(specs, quick: bool = False, sweep: bool = False, widths=()) -> list[tuple]:
     """(spec, layout, (B, S, D)) for every op to time: each declared layout at the
     main shape (`quick`: the first layout only); `sweep` adds SWEEP_SHAPES for the
-    first two layouts."""
+    first two layouts; each of `widths` adds the first layout at (1, S, D), S the rows
+    that hold the main shape's elements (FLUX's 3072, Wan's 5120)."""
     out = []
+    B, S, D = MAIN_SHAPE
     for spec in specs:
         layouts = spec.layouts[:1] if quick else spec.layouts
         out += [(spec, layout, MAIN_SHAPE) for layout in layouts]
         if sweep:
             out += [(spec, layout, shape) for layout in spec.layouts[:2] for shape in SWEEP_SHAPES
                     if shape != MAIN_SHAPE]
+        out += [(spec, spec.layouts[0], (1, B * S * D // w, w)) for w in widths if w != D]
     return out
 
 
@@ -311,6 +315,8 @@ def parse_args(argv=None):
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="each op's first layout only")
     size.add_argument("--sweep", action="store_true", help="also the shape sweep for the first two layouts")
+    ap.add_argument("--widths", type=lambda v: [int(w) for w in v.split(",") if w], default=[],
+                    help="comma-separated row widths: the first layout at each, as many elements as the main shape")
     ap.add_argument("--ops", help=f"comma-separated op names (default all: {', '.join(MEMORY_OPS)})")
     ap.add_argument("--budget", type=float, default=540,
                     help="seconds after which no new case starts (default 540: under a 10-minute limit)")
@@ -341,7 +347,7 @@ def main(argv=None) -> int:
     host = host_costs(args.specs)
     for op, row in host.items():
         print(f"host us/call {op:26s} " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()), file=sys.stderr)
-    todo = plan_cases(args.specs, args.quick, args.sweep)
+    todo = plan_cases(args.specs, args.quick, args.sweep, args.widths)
     slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"ops-{slug}{'-' + args.tag if args.tag else ''}")

@@ -30,6 +30,10 @@ def test_cases_come_from_the_declarations():
     sweep = ops.plan_cases(specs, sweep=True)
     extra = len(ops.SWEEP_SHAPES) - (ops.MAIN_SHAPE in ops.SWEEP_SHAPES)
     assert len(sweep) == len(default) + sum(min(2, len(s.layouts)) * extra for s in specs)
+    wide = ops.plan_cases(specs, quick=True, widths=[3072, 4096, 5120])
+    first = (specs[0], specs[0].layouts[0])
+    assert wide[:3] == [first + (ops.MAIN_SHAPE,), first + ((1, 8192, 3072),), first + ((1, 4915, 5120),)]
+    assert len(wide) == 3 * len(specs)
     assert ops.variants(SPECS["modulate"])[-1] == "bitfuse lossless"
     assert ops.variants(SPECS["layer_norm_modulate"])[-2:] == ["bitfuse lossless", "bitfuse high"]
 

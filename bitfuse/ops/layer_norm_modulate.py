@@ -566,8 +566,8 @@ def _operands(exact: bool, x, scale, shift, out, ct, ht, stats=None) -> tuple:
 def launch_layer_norm_modulate(plan, out=None, config=None, stats=None) -> torch.Tensor:
     """Run the kernel for a guarded plan, into `out` (contiguous, x's shape) if given.
     `config` overrides (R, num_warps[, pass2]) of the exact kernel, (R, num_warps[,
-    BLOCK_D]) of the one-pass kernel (BLOCK_D below D: the row as D / BLOCK_D tiles). `stats` (fp32, 2 per row; exact kernel) receives each row's
-    mean and rstd."""
+    BLOCK_D]) of the one-pass kernel (BLOCK_D below D: the row as D / BLOCK_D tiles).
+    `stats` (fp32, 2 per row; exact kernel) receives each row's mean and rstd."""
     x = plan.x
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
