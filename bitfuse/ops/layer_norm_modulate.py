@@ -46,10 +46,11 @@ HIGH TIER (bf16/fp16): one pass, x read once; the row's sum and sum of squares
 in float64, in one reduction (`moments`: the mean as two fp32 terms, the variance
 without overflow), x - mean in fp32, then n * (1 + scale) + shift in fp32, rounded
 once: within 0.5 ULP of the float64 value at the scale of the modulate's terms (see
-rms_norm_modulate). A 16-bit row of 3, 5 or 7 equal power-of-two tiles (3072 =
-3 x 1024, 5120 = 5 x 1024, 6144 = 3 x 2048) is held as those tiles, unmasked, their
-float64 terms added elementwise before the one reduction (`high_tiles`): a row
-padded to the next power of two spends the float64 work on its padded lanes too.
+rms_norm_modulate). A row is held as 2-7 power-of-two tiles where they hold fewer
+lanes than one padded tile (3072 = 3 x 1024, 5120 = 5 x 1024, 6144 = 3 x 2048, all
+unmasked; 2240 = 5 x 512, the last tile masked), their float64 terms added
+elementwise before the one reduction (`high_tiles`): a padded lane costs the
+float64 work of a real one.
 
 Shapes: x [B, S, D] or [N, D] with a contiguous last dimension; scale, shift as
 for modulate (tensors broadcasting to x, or Folded: a [D] table row plus a temb
@@ -383,7 +384,7 @@ def _layer_norm_modulate_high_kernel(
     eps, inv_d,
     R: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    NCH: tl.constexpr,  # the row as NCH tiles of BLOCK_D columns: 1 (padded to BLOCK_D), or D == NCH * BLOCK_D
+    NCH: tl.constexpr,  # the row as NCH tiles of BLOCK_D columns (masked past D)
     EVEN: tl.constexpr,  # D == NCH * BLOCK_D and S % R == 0: no masks
     SCALE_TABLE: tl.constexpr,  # Folded scale: `table_row + temb`, rounded to x's dtype as eager's add
     SHIFT_TABLE: tl.constexpr,
@@ -391,8 +392,8 @@ def _layer_norm_modulate_high_kernel(
     b, s, r64, rmask = program_rows(S, R)
     cols = tl.arange(0, BLOCK_D)
     x_row = (b * x_sb + s * x_ss)[:, None]
-    # pass 1: each tile's float64 values and squares, added elementwise across the tiles
-    # (no padded lanes where D is NCH equal tiles), then one reduction
+    # pass 1: each tile's float64 values and squares, added elementwise across the tiles,
+    # then one reduction
     xs = ()
     for j in tl.static_range(NCH):
         cj = j * BLOCK_D + cols
@@ -546,14 +547,17 @@ def _recipe_of(plan, config=None, stats=None) -> Recipe:
 
 
 def high_tiles(D: int) -> tuple[int, int]:
-    """(BLOCK_D, NCH) of a one-row-a-program launch of the high kernel: a row whose
-    width is 3, 5 or 7 tiles of a power of two >= 512 (3072 = 3 x 1024, 5120 = 5 x
-    1024, 1536 = 3 x 512) as those tiles, unmasked, with no padded lanes; any other
-    row as one tile padded to the next power of two."""
-    tile = D & -D  # the largest power of two dividing D
-    if D // tile in (3, 5, 7) and tile >= 512:
-        return tile, D // tile
-    return next_pow2(D), 1
+    """(BLOCK_D, NCH) of a one-row-a-program launch of the high kernel: the row as NCH
+    (2-7) tiles of a power of two >= 512 where they hold fewer lanes than one tile
+    padded to the next power of two (3072 = 3 x 1024, 5120 = 5 x 1024, 6144 = 3 x 2048
+    unmasked; 2240 as 5 x 512, the last tile masked, against 4096), else (that padded
+    width, 1). Of equal lane counts the wider tile."""
+    best = (next_pow2(D), 1)
+    for tile in (4096, 2048, 1024, 512):
+        n = cdiv(D, tile)
+        if 2 <= n <= 7 and n * tile < best[0] * best[1]:
+            best = (tile, n)
+    return best
 
 
 def _operands(exact: bool, x, scale, shift, out, ct, ht, stats=None) -> tuple:
