@@ -5,7 +5,7 @@ parameter layout it declares, against eager, torch.compile and torch.compile wit
     python -m bench.ops                # every op x layout at 1 x 6144 x 4096 bf16 (~3-4 min)
     python -m bench.ops --quick        # each op's first layout only (~1 min)
     python -m bench.ops --sweep        # + D in {2048, 4096} x S in {1024, 6144, 24576} for the first two layouts
-    python -m bench.ops --widths 3072,5120   # + the first layout at model widths, as many bytes as the main shape
+    python -m bench.ops --widths 3072,5120   # + the first layout at model widths, as many elements as the main shape
     python -m bench.ops --ops modulate,gated_residual --budget 170
 
 Operands come from each spec's `make_args(cases.Case(...))` (randn draws). Variants:
