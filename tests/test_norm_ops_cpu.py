@@ -107,11 +107,12 @@ def test_gate_keys():
 
 
 @pytest.mark.parametrize("family, D, warps", [("", 4096, 4), ("H100", 4096, 8), ("H100", 3072, 4), ("H100", 2048, 4),
-                                              ("H100", 5120, 4), ("", 2240, 4)])
+                                              ("H100", 5120, 4), ("", 2240, 4), ("", 6144, 4)])
 def test_layer_norm_high_warps_by_device_family(monkeypatch, family, D, warps):
     """The LayerNorm high kernel's warps per device family (the H100's slower memory
     hides its float64 arithmetic on 8 warps at 4096 columns; the H200 wants 4); a
-    16-bit row, one a program."""
+    16-bit row, one a program. Rows held as tiles take their tile's warps (3072, 5120:
+    tiles of 1024, 2240: of 512, 6144: of 2048, each on 4)."""
     monkeypatch.setattr(LN, "device_family", lambda device: family)
     x = torch.randn(2, 8, D, dtype=torch.bfloat16)
     plan = _reason("ln", x, torch.randn(2, 1, D, dtype=torch.bfloat16), torch.randn(D, dtype=torch.bfloat16),
@@ -454,3 +455,41 @@ def test_layer_norm_high_mean_holds_a_large_offset():
     out = _launch("ln", x, c, h, False)
     err = (out.double() - modulated64(layer_norm64(x, EPS), c, h)).abs().max().item()
     assert err < 1e-5, err
+
+
+@interpreter
+@pytest.mark.parametrize("D,tile", [(1536, 512), (3072, 1024), (2240, 512)])
+@pytest.mark.parametrize("layout", LAYOUTS + ["folded"])
+def test_layer_norm_high_rows_as_tiles(D, tile, layout):
+    """A row held as power-of-two tiles (1536, 3072: unmasked; 2240: the last of five
+    masked) gives the padded launch's bits (rows of bf16 values in fp32, whose float64
+    sums are exact in any order), into a NaN-poisoned output, on every parameter
+    layout."""
+    g = torch.Generator().manual_seed(D + len(layout))
+    B, S = 2, 3
+    x = torch.randn(B, S, D, generator=g).bfloat16().float()
+    x[1, 2] += 300.0  # a row far from zero: the two-term mean
+    if layout == "folded":
+        table, t4 = torch.randn(6, D, generator=g), torch.randn(B, 1, 6, D, generator=g)
+        c, h = Folded(table[1], t4[:, :, 1]), Folded(table[0], t4[:, :, 0])
+    else:
+        c, h = _params(layout, B, S, D, g)
+    plan = _plan("ln", x, c, h, exact=False)
+    assert LN.high_tiles(D) == (tile, -(-D // tile)) == LN._recipe_of(plan).consts[1:3]
+    tiled = torch.full_like(x, float("nan"))
+    LN.launch_layer_norm_modulate(plan, out=tiled)
+    padded = LN.launch_layer_norm_modulate(plan, config=(1, 4, 1 << (D - 1).bit_length()))
+    assert same_bits(tiled, padded)
+    from bitfuse.ops._norm import layer_norm64, modulated64
+
+    want = modulated64(layer_norm64(x, EPS), c, h)
+    torch.testing.assert_close(tiled.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("D,tiles", [(4096, (4096, 1)), (3072, (1024, 3)), (5120, (1024, 5)), (1536, (512, 3)),
+                                     (6144, (2048, 3)), (14336, (2048, 7)), (2240, (512, 5)), (1152, (512, 3)),
+                                     (768, (1024, 1)), (1000, (1024, 1)), (2048, (2048, 1)), (9216, (2048, 5)), (12000, (4096, 3)), (16384, (16384, 1))])
+def test_high_tiles(D, tiles):
+    """2-7 power-of-two tiles (>= 512 columns) where they hold fewer lanes than the padded
+    row, the wider tile of equal counts; anything else one padded tile."""
+    assert LN.high_tiles(D) == tiles

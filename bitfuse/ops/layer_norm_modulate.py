@@ -46,7 +46,11 @@ HIGH TIER (bf16/fp16): one pass, x read once; the row's sum and sum of squares
 in float64, in one reduction (`moments`: the mean as two fp32 terms, the variance
 without overflow), x - mean in fp32, then n * (1 + scale) + shift in fp32, rounded
 once: within 0.5 ULP of the float64 value at the scale of the modulate's terms (see
-rms_norm_modulate).
+rms_norm_modulate). A row is held as 2-7 power-of-two tiles where they hold fewer
+lanes than one padded tile (3072 = 3 x 1024, 5120 = 5 x 1024, 6144 = 3 x 2048, all
+unmasked; 2240 = 5 x 512, the last tile masked), their float64 terms added
+elementwise before the one reduction (`high_tiles`): a padded lane costs the
+float64 work of a real one.
 
 Shapes: x [B, S, D] or [N, D] with a contiguous last dimension; scale, shift as
 for modulate (tensors broadcasting to x, or Folded: a [D] table row plus a temb
@@ -344,10 +348,10 @@ def _add_pairs(a0, a1, b0, b1):
 
 
 @jit
-def moments(x, D, inv_d, eps):
-    """Per row of the fp32 tile x [R, BLOCK] (masked columns 0): its mean as two fp32
-    terms hi + lo, and 1 / sqrt(var + eps) in fp32, from the row's sum and sum of
-    squares in float64, in one joint reduction.
+def moments(s64, q64, D, inv_d, eps):
+    """Per row of the float64 tiles s64 (x) and q64 (x**2) [R, BLOCK] (masked columns
+    0): the mean as two fp32 terms hi + lo, and 1 / sqrt(var + eps) in fp32, from the
+    row's sum and sum of squares in float64, in one joint reduction.
 
     float64 holds every square of a bf16/fp16/fp32 value and D of them (no overflow,
     no rescale), and the sums to 2**-53 of the row's sum of |x| and of x**2. The mean:
@@ -362,11 +366,10 @@ def moments(x, D, inv_d, eps):
     most about 2**p sqrt(D) (values near the mean are at least 2**-p of it apart: p =
     8 for bf16, 11 for fp16), so that error stays below about 2**-17 (fp16, D =
     MAX_D), far under an output ULP."""
-    x64 = x.to(tl.float64)
-    s64, q64 = tl.reduce((x64, x64 * x64), 1, _add_pairs)
-    hi = (s64 * inv_d).to(tl.float32)
-    lo = (s64 - hi.to(tl.float64) * D).to(tl.float32) * inv_d
-    var = tl.maximum((q64 * D - s64 * s64) * inv_d * inv_d, 0.0)
+    s, q = tl.reduce((s64, q64), 1, _add_pairs)
+    hi = (s * inv_d).to(tl.float32)
+    lo = (s - hi.to(tl.float64) * D).to(tl.float32) * inv_d
+    var = tl.maximum((q * D - s * s) * inv_d * inv_d, 0.0)
     return hi, lo, (1.0 / tl.sqrt(var + eps)).to(tl.float32)
 
 
@@ -381,36 +384,59 @@ def _layer_norm_modulate_high_kernel(
     eps, inv_d,
     R: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    EVEN: tl.constexpr,  # D == BLOCK_D and S % R == 0: no masks
+    NCH: tl.constexpr,  # the row as NCH tiles of BLOCK_D columns (masked past D)
+    EVEN: tl.constexpr,  # D == NCH * BLOCK_D and S % R == 0: no masks
     SCALE_TABLE: tl.constexpr,  # Folded scale: `table_row + temb`, rounded to x's dtype as eager's add
     SHIFT_TABLE: tl.constexpr,
 ):
     b, s, r64, rmask = program_rows(S, R)
     cols = tl.arange(0, BLOCK_D)
-    x_off = (b * x_sb + s * x_ss)[:, None] + cols[None, :]
-    if EVEN:
-        m = None
-        col_ok = None
-        x = tl.load(x_ptr + x_off, eviction_policy="evict_first").to(tl.float32)
-    else:
-        m = rmask[:, None] & (cols < D)[None, :]
-        col_ok = cols < D
-        x = tl.load(x_ptr + x_off, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    hi, lo, rstd = moments(x, D, inv_d, eps)
+    x_row = (b * x_sb + s * x_ss)[:, None]
+    # pass 1: each tile's float64 values and squares, added elementwise across the tiles,
+    # then one reduction
+    xs = ()
+    for j in tl.static_range(NCH):
+        cj = j * BLOCK_D + cols
+        if EVEN:
+            x = tl.load(x_ptr + (x_row + cj[None, :]), eviction_policy="evict_first").to(tl.float32)
+        else:
+            x = tl.load(x_ptr + (x_row + cj[None, :]), mask=rmask[:, None] & (cj < D)[None, :], other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
+        x64 = x.to(tl.float64)
+        if j == 0:
+            s64 = x64
+            q64 = x64 * x64
+        else:
+            s64 += x64
+            q64 += x64 * x64
+        xs = xs + (x,)
+    hi, lo, rstd = moments(s64, q64, D, inv_d, eps)
+    # pass 2, from registers: normalise, modulate, round once
     dtype = out_ptr.dtype.element_ty
-    scale = load_param(scale_ptr, (b * c_sb + s * c_ss)[:, None] + cols[None, :] * c_sd, m, scale_table_ptr,
-                       cols * ct_sd, col_ok, SCALE_TABLE, dtype, False)
-    shift = load_param(shift_ptr, (b * h_sb + s * h_ss)[:, None] + cols[None, :] * h_sd, m, shift_table_ptr,
-                       cols * ht_sd, col_ok, SHIFT_TABLE, dtype, False)
-    n = ((x - hi[:, None]) - lo[:, None]) * rstd[:, None]
-    y = modulate_once(n, scale, shift, dtype)
-    tl.store(out_ptr + ((r64 * D)[:, None] + cols[None, :]), y, mask=m, cache_modifier=".cs")
+    c_row = (b * c_sb + s * c_ss)[:, None]
+    h_row = (b * h_sb + s * h_ss)[:, None]
+    for j in tl.static_range(NCH):
+        cj = j * BLOCK_D + cols
+        if EVEN:
+            m = None
+            col_ok = None
+        else:
+            col_ok = cj < D
+            m = rmask[:, None] & col_ok[None, :]
+        scale = load_param(scale_ptr, c_row + cj[None, :] * c_sd, m, scale_table_ptr, cj * ct_sd, col_ok,
+                           SCALE_TABLE, dtype, False)
+        shift = load_param(shift_ptr, h_row + cj[None, :] * h_sd, m, shift_table_ptr, cj * ht_sd, col_ok,
+                           SHIFT_TABLE, dtype, False)
+        n = ((xs[j] - hi[:, None]) - lo[:, None]) * rstd[:, None]
+        y = modulate_once(n, scale, shift, dtype)
+        tl.store(out_ptr + ((r64 * D)[:, None] + cj[None, :]), y, mask=m, cache_modifier=".cs")
 
 
 _launch_exact = FastLaunch(_layer_norm_modulate_exact_kernel, (
     "D", "WELFORD_FMA", "MEAN_V", "SIG_FMA", "PASS2", "BLOCK_D", "RSQRT_ASM", "R", "F32", "MODE", "AFFINE_FMA",
     "SCALE_TABLE", "SHIFT_TABLE"))
-_launch_high = FastLaunch(_layer_norm_modulate_high_kernel, ("R", "BLOCK_D", "EVEN", "SCALE_TABLE", "SHIFT_TABLE"))
+_launch_high = FastLaunch(_layer_norm_modulate_high_kernel, ("R", "BLOCK_D", "NCH", "EVEN", "SCALE_TABLE",
+                                                            "SHIFT_TABLE"))
 
 
 # ---------------------------------------------------------------- launcher
@@ -481,6 +507,12 @@ _EXACT_SHAPES = {(4096, True): (2, 8), (3072, False): (1, 4)}
 #: 3072 padded to 4096 loses 5.5 on 8; twenty-fifth session)
 _HIGH_WARPS = {2048: 4, 4096: 4, 8192: 4}
 _HIGH_WARPS_BY_FAMILY = {"H100": {**_HIGH_WARPS, 4096: 8}}
+#: warps of a row held as tiles (`high_tiles`), by tile width: 4 (H100, one row a
+#: program: 2240 as 5 x 512 89.1% of the copy ceiling on 4 warps, 86.8% on 2, 72.4% on
+#: 8; 1536 as 3 x 512 92.3% on 4, 91.4% on 2; 6144 as 3 x 2048 91.6% on 4, 90.6% on 8;
+#: 3072 as 3 x 1024 level on 4 and 8; twenty-seventh session); 8 for tiles of 4096
+#: (rows over 8192 columns, not measured), whose 4-warp threads would hold 32 columns a tile
+_CHUNK_WARPS = {512: 4, 1024: 4, 2048: 4, 4096: 8}
 
 
 def _recipe_of(plan, config=None, stats=None) -> Recipe:
@@ -499,15 +531,37 @@ def _recipe_of(plan, config=None, stats=None) -> Recipe:
              plan.mode, plan.fma, ct is not None, ht is not None),
             num_warps,
         )
-    block_d = next_pow2(r.D)
-    family = device_family(plan.x.get_device()) if block_d == r.D else ""  # padded rows: the default table
+    padded = next_pow2(r.D)
+    family = device_family(plan.x.get_device()) if padded == r.D else ""  # padded rows: the default table
     warps = _HIGH_WARPS_BY_FAMILY.get(family, _HIGH_WARPS)
-    R, num_warps = config or high_launch_shape(block_d, r.S, plan.x.element_size(), warps)
+    R, num_warps = high_launch_shape(padded, r.S, plan.x.element_size(), warps)
+    block_d, nch = high_tiles(r.D) if R == 1 else (padded, 1)
+    if nch > 1:
+        num_warps = _CHUNK_WARPS[block_d]
+    if config:
+        R, num_warps = config[:2]
+        block_d = config[2] if len(config) > 2 else padded
+        nch = cdiv(r.D, block_d)
     ct, ht = plan.scale_table, plan.shift_table
     return Recipe((cdiv(r.S, R), r.B),
                   (r.S, r.D, r.sb, r.ss, *plan.c_strides, *plan.h_strides, 0 if ct is None else ct.stride(0),
                    0 if ht is None else ht.stride(0), plan.eps, 1.0 / r.D),
-                  (R, block_d, block_d == r.D and r.S % R == 0, ct is not None, ht is not None), num_warps)
+                  (R, block_d, nch, nch * block_d == r.D and r.S % R == 0, ct is not None, ht is not None),
+                  num_warps)
+
+
+def high_tiles(D: int) -> tuple[int, int]:
+    """(BLOCK_D, NCH) of a one-row-a-program launch of the high kernel: the row as NCH
+    (2-7) tiles of a power of two >= 512 where they hold fewer lanes than one tile
+    padded to the next power of two (3072 = 3 x 1024, 5120 = 5 x 1024, 6144 = 3 x 2048
+    unmasked; 2240 as 5 x 512, the last tile masked, against 4096), else (that padded
+    width, 1). Of equal lane counts the wider tile."""
+    best = (next_pow2(D), 1)
+    for tile in (4096, 2048, 1024, 512):
+        n = cdiv(D, tile)
+        if 2 <= n <= 7 and n * tile < best[0] * best[1]:
+            best = (tile, n)
+    return best
 
 
 def _operands(exact: bool, x, scale, shift, out, ct, ht, stats=None) -> tuple:
@@ -519,9 +573,9 @@ def _operands(exact: bool, x, scale, shift, out, ct, ht, stats=None) -> tuple:
 
 def launch_layer_norm_modulate(plan, out=None, config=None, stats=None) -> torch.Tensor:
     """Run the kernel for a guarded plan, into `out` (contiguous, x's shape) if given.
-    `config` overrides (R, num_warps[, pass2]) of the exact kernel, (R, num_warps) of
-    the one-pass kernel. `stats` (fp32, 2 per row; exact kernel) receives each row's
-    mean and rstd."""
+    `config` overrides (R, num_warps[, pass2]) of the exact kernel, (R, num_warps[,
+    BLOCK_D]) of the one-pass kernel (BLOCK_D below D: the row as ceil(D / BLOCK_D) tiles).
+    `stats` (fp32, 2 per row; exact kernel) receives each row's mean and rstd."""
     x = plan.x
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
