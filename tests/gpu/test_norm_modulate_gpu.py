@@ -183,12 +183,14 @@ def norm64(kind, x):
 
 
 @pytest.mark.parametrize("data", ["randn", "outlier"])
-@pytest.mark.parametrize("D", [1536, 2048, 3072, 4096, 5120, 6144])
+@pytest.mark.parametrize("D", [1536, 2048, 2240, 3072, 4096, 5120, 6144])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("kind", KINDS)
 def test_high_keeps_the_float64_contract(kind, dtype, D, data):
     """The one-pass kernel against the float64 value of the same expression: every
-    element within one ULP at the terms' scale, mean error below eager's."""
+    element within one ULP at the terms' scale, mean error below eager's (LayerNorm
+    rows held as power-of-two tiles at 1536, 3072, 5120 and 6144, and at 2240 as five
+    tiles of 512, the last masked)."""
     g = torch.Generator(device="cuda").manual_seed(D + len(data))
     B, S = 2, 1031
     x = torch.randn(B, S, D, generator=g, device="cuda")
